@@ -1,1 +1,143 @@
-//! inferlb
+//! # inferlb — an LLM-aware load balancer for vLLM fleets
+//!
+//! inferlb takes OpenAI-compatible requests and sends each one to the backend that should
+//! answer it fastest: the one that already holds the prompt's prefix in its KV cache, unless
+//! that backend is too busy.
+//!
+//! # Layout (in the order a request meets it)
+//!
+//! * [`front_door`] — axum routes: `/v1/*`, `/health`, `/ready`, `/metrics`, `/admin/backends`.
+//!   Reads the body once, bounded, and turns every failure into OpenAI's error JSON via [`error`].
+//! * [`prompt`] — parses the body once into a [`prompt::RequestView`]: model, stream flag and a
+//!   deterministic *routing text* rendered from the messages or prompt.
+//! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
+//!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
+//!   let the prefix scorer remember where each prompt went.
+//! * [`forward`] — hyper client with pooled keep-alive connections; streams the response back
+//!   frame by frame and releases the backend's in-flight count when the body ends.
+//!
+//! Beside the request path:
+//!
+//! * [`endpoints`] — the backend pool, the per-backend poller of `/metrics` and `/v1/models`,
+//!   the Prometheus text parser, and the immutable per-backend snapshots scorers read.
+//! * [`config`] — the TOML configuration, its defaults and validation.
+//! * [`telemetry`] — inferlb's own metrics and logging.
+
+pub mod config;
+pub mod endpoints;
+pub mod error;
+pub mod forward;
+pub mod front_door;
+pub mod prompt;
+pub mod scheduling;
+pub mod telemetry;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use config::{Config, ConfigError};
+use endpoints::poller::Poller;
+use endpoints::Pool;
+use forward::Forwarder;
+use front_door::AppState;
+use scheduling::{Scheduler, SchedulerLayer};
+
+/// Why the router could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// The sockets the router serves on. `admin` carries `/metrics` and `/admin/*` when set;
+/// otherwise they are served on `main`.
+pub struct Listeners {
+    pub main: TcpListener,
+    pub admin: Option<TcpListener>,
+}
+
+/// Run the router until `shutdown` completes, then stop accepting and let in-flight
+/// requests finish.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    config.validate()?;
+    let config = Arc::new(config);
+    let pool = Arc::new(Pool::from_config(&config)?);
+    let profile = scheduling::profile::build_active(&config)?;
+    tracing::info!(profile = %profile.describe(), backends = pool.backends().len(), "scheduling profile");
+    let metrics = telemetry::prometheus();
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let poller = Poller::new(Arc::clone(&pool), config.poller.clone())?;
+    poller.first_pass().await;
+    poller.spawn(stop_rx.clone());
+    if let Some(handle) = metrics.clone() {
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => handle.run_upkeep(),
+                    _ = stop.changed() => break,
+                }
+            }
+        });
+    }
+
+    let backend_header = http::HeaderName::from_bytes(config.backend_header.as_bytes())
+        .map_err(|_| ConfigError::invalid("backend_header", "not a valid header name"))?;
+    let session_header = http::HeaderName::from_bytes(config.session_header.as_bytes())
+        .map_err(|_| ConfigError::invalid("session_header", "not a valid header name"))?;
+    let scheduler = Arc::new(Scheduler::new(Arc::clone(&pool), profile));
+    let service = tower::ServiceBuilder::new()
+        .layer(SchedulerLayer::new(scheduler, config.forward.max_attempts))
+        .service(Forwarder::new(&config.forward, backend_header));
+    let state = Arc::new(AppState {
+        config: Arc::clone(&config),
+        pool,
+        service,
+        metrics,
+        session_header,
+    });
+
+    let main_addr = listeners.main.local_addr()?;
+    tracing::info!(%main_addr, "inferlb listening");
+    let main_router = front_door::router(Arc::clone(&state), listeners.admin.is_none());
+    let admin = listeners.admin.map(|listener| {
+        let router = front_door::admin_router(Arc::clone(&state));
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.changed().await;
+                })
+                .await
+        })
+    });
+    let mut stop = stop_rx;
+    let served = axum::serve(listeners.main, main_router).with_graceful_shutdown(async move {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = stop.changed() => {}
+        }
+    });
+    let result = served.await;
+    let _ = stop_tx.send(true);
+    if let Some(admin) = admin {
+        if let Ok(Err(e)) = admin.await {
+            tracing::warn!(error = %e, "admin listener failed");
+        }
+    }
+    tracing::info!("inferlb stopped");
+    result.map_err(RunError::Io)
+}

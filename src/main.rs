@@ -1,1 +1,159 @@
-fn main() {}
+//! The `inferlb` binary: parse flags, load the config, apply overrides, run until a signal.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use inferlb::config::{BackendConfig, Config, LogFormat};
+use inferlb::{run, telemetry, Listeners};
+
+/// An LLM-aware load balancer for vLLM fleets: routes each OpenAI request to the backend that
+/// holds its prompt prefix in KV cache, weighed against queue and KV-cache load.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// TOML config file (see the documented config.toml); every field has a default.
+    #[arg(long, short, env = "INFERLB_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address of the OpenAI-compatible listener (overrides `listen`).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Separate listener for /metrics and /admin/* (overrides `admin_listen`).
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    /// Backend base URL, repeatable; replaces the file's [[backends]] when given.
+    #[arg(long = "backend", value_name = "URL")]
+    backends: Vec<String>,
+    /// Log output format.
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
+    /// Log filter, e.g. `info` or `inferlb=debug` (debug logs every scheduling decision).
+    #[arg(long)]
+    log_level: Option<String>,
+    /// Metrics poll interval in milliseconds (overrides `poller.interval_ms`).
+    #[arg(long)]
+    poll_interval_ms: Option<u64>,
+    /// Scheduling profile to use (overrides `profile`).
+    #[arg(long)]
+    profile: Option<String>,
+    /// Largest accepted request body in bytes (overrides `max_body_bytes`).
+    #[arg(long)]
+    max_body_bytes: Option<usize>,
+    /// Validate the configuration and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+impl Cli {
+    fn apply(self, mut config: Config) -> Config {
+        if let Some(v) = self.listen {
+            config.listen = v;
+        }
+        if let Some(v) = self.admin_listen {
+            config.admin_listen = Some(v);
+        }
+        if !self.backends.is_empty() {
+            config.backends = self
+                .backends
+                .into_iter()
+                .map(BackendConfig::from_url)
+                .collect();
+        }
+        if let Some(v) = self.log_format {
+            config.log_format = v;
+        }
+        if let Some(v) = self.log_level {
+            config.log_level = v;
+        }
+        if let Some(v) = self.poll_interval_ms {
+            config.poller.interval_ms = v;
+        }
+        if let Some(v) = self.profile {
+            config.profile = Some(v);
+        }
+        if let Some(v) = self.max_body_bytes {
+            config.max_body_bytes = v;
+        }
+        config
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    tracing::info!("shutdown signal received; draining (send it again to exit at once)");
+    tokio::spawn(async {
+        let _ = tokio::signal::ctrl_c().await;
+        std::process::exit(130);
+    });
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match &cli.config {
+        Some(path) => match Config::from_file(path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("inferlb: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => Config::default(),
+    };
+    let check = cli.check;
+    let config = cli.apply(config);
+    telemetry::init_logging(config.log_format, &config.log_level);
+    if let Err(e) = config
+        .validate()
+        .and_then(|_| inferlb::scheduling::profile::build_active(&config).map(|_| ()))
+    {
+        eprintln!("inferlb: {e}");
+        return ExitCode::from(2);
+    }
+    if check {
+        println!("configuration is valid");
+        return ExitCode::SUCCESS;
+    }
+    let main = match tokio::net::TcpListener::bind(config.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("inferlb: cannot listen on {}: {e}", config.listen);
+            return ExitCode::from(1);
+        }
+    };
+    let admin = match config.admin_listen {
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("inferlb: cannot listen on {addr}: {e}");
+                return ExitCode::from(1);
+            }
+        },
+        None => None,
+    };
+    match run(config, Listeners { main, admin }, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("inferlb: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,413 @@
+//! Configuration: serde types with a default for every field, then `validate()`.
+//!
+//! The flow is parse → defaults → CLI overrides → validate → build. Every struct denies
+//! unknown fields, so a typo in `config.toml` stops the router at start with a message that
+//! names the field instead of being silently ignored. The shipped `config.toml` documents
+//! each field; keep the two in step.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::endpoints::engine::EngineMetricNames;
+
+/// A configuration problem found at start.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid config: `{field}`: {message}")]
+    Invalid { field: String, message: String },
+}
+
+impl ConfigError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the OpenAI-compatible front door.
+    pub listen: SocketAddr,
+    /// Optional separate listener for `/metrics`, `/health`, `/ready` and `/admin/*`.
+    pub admin_listen: Option<SocketAddr>,
+    pub log_format: LogFormat,
+    /// A tracing filter such as `info` or `inferlb=debug`.
+    pub log_level: String,
+    /// Largest request body accepted, in bytes (413 above it).
+    pub max_body_bytes: usize,
+    /// Response header naming the backend that served the request.
+    pub backend_header: String,
+    /// Request header whose value identifies a client session (optional affinity input).
+    pub session_header: String,
+    pub poller: PollerConfig,
+    pub forward: ForwardConfig,
+    /// Extra engines (metric name sets) beside the built-in `vllm` and `sglang`.
+    pub engines: BTreeMap<String, EngineMetricNames>,
+    pub backends: Vec<BackendConfig>,
+    pub plugins: Vec<PluginSpec>,
+    pub scheduling_profiles: Vec<ProfileSpec>,
+    /// Which profile schedules requests; the first one when unset.
+    pub profile: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            admin_listen: None,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+            max_body_bytes: 32 * 1024 * 1024,
+            backend_header: "x-inferlb-backend".into(),
+            session_header: "x-session-id".into(),
+            poller: PollerConfig::default(),
+            forward: ForwardConfig::default(),
+            engines: BTreeMap::new(),
+            backends: Vec::new(),
+            plugins: Vec::new(),
+            scheduling_profiles: Vec::new(),
+            profile: None,
+        }
+    }
+}
+
+/// The metrics and model poller.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PollerConfig {
+    /// How often every backend's `/metrics` is scraped.
+    pub interval_ms: u64,
+    /// Per-scrape timeout; a slow backend never delays the others.
+    pub timeout_ms: u64,
+    /// Metrics older than this are treated as unknown by scorers.
+    pub stale_after_ms: u64,
+    /// How often each backend's `/v1/models` is re-read.
+    pub models_interval_ms: u64,
+    /// Consecutive failed scrapes that mark a backend unhealthy.
+    pub unhealthy_after: u32,
+    /// Consecutive successful scrapes that re-admit an unhealthy backend.
+    pub healthy_after: u32,
+}
+
+impl Default for PollerConfig {
+    fn default() -> Self {
+        PollerConfig {
+            interval_ms: 50,
+            timeout_ms: 500,
+            stale_after_ms: 1_000,
+            models_interval_ms: 10_000,
+            unhealthy_after: 3,
+            healthy_after: 2,
+        }
+    }
+}
+
+impl PollerConfig {
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+    pub fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.stale_after_ms)
+    }
+    pub fn models_interval(&self) -> Duration {
+        Duration::from_millis(self.models_interval_ms)
+    }
+}
+
+/// The hyper client that forwards requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ForwardConfig {
+    /// TCP connect timeout per attempt.
+    pub connect_timeout_ms: u64,
+    /// Time allowed for the backend's response headers (non-streaming requests send headers
+    /// only when generation ends, so this bounds a whole generation).
+    pub response_timeout_ms: u64,
+    /// Attempts per request on connection failures, each on a different backend when possible.
+    pub max_attempts: u32,
+    /// Idle keep-alive connections kept per backend.
+    pub pool_max_idle_per_backend: usize,
+    /// How long an idle keep-alive connection is kept.
+    pub pool_idle_timeout_ms: u64,
+    /// Forward the client's `Authorization` header to backends that have no `api_key`.
+    pub forward_client_authorization: bool,
+}
+
+impl Default for ForwardConfig {
+    fn default() -> Self {
+        ForwardConfig {
+            connect_timeout_ms: 2_000,
+            response_timeout_ms: 600_000,
+            max_attempts: 3,
+            pool_max_idle_per_backend: 256,
+            pool_idle_timeout_ms: 90_000,
+            forward_client_authorization: false,
+        }
+    }
+}
+
+/// One backend server.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Base URL, e.g. `http://10.0.0.5:8000` (no path).
+    pub url: String,
+    /// Metric name set to read: `vllm` (default), `sglang`, or one from `[engines]`.
+    #[serde(default = "default_engine")]
+    pub engine: String,
+    /// Sent as `Authorization: Bearer …` to this backend, replacing the client's header.
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// Served models; when set, `/v1/models` discovery is skipped for this backend.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+}
+
+fn default_engine() -> String {
+    "vllm".into()
+}
+
+impl BackendConfig {
+    pub fn from_url(url: impl Into<String>) -> Self {
+        BackendConfig {
+            url: url.into(),
+            engine: default_engine(),
+            api_key: None,
+            models: None,
+        }
+    }
+}
+
+/// A plugin instance: `type` picks the factory, `name` is how profiles refer to it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Defaults to the type name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Handed to the plugin's own factory, which rejects unknown keys.
+    #[serde(default)]
+    pub parameters: toml::Table,
+}
+
+impl PluginSpec {
+    pub fn instance_name(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.kind)
+    }
+}
+
+/// A scheduling profile: the plugins it uses, scorers with weights.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileSpec {
+    pub name: String,
+    pub plugins: Vec<ProfilePluginRef>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfilePluginRef {
+    pub plugin_ref: String,
+    /// Only meaningful for scorers; defaults to 1.
+    #[serde(default)]
+    pub weight: Option<f64>,
+}
+
+impl Config {
+    /// Read and parse a TOML file (no validation yet: CLI overrides come first).
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_toml(&text, &path.display().to_string())
+    }
+
+    pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Checks that need the whole picture; plugin parameters are checked by their factories.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.backends.is_empty() {
+            return Err(ConfigError::invalid(
+                "backends",
+                "no backends configured: add [[backends]] url = \"http://host:port\" or pass --backend",
+            ));
+        }
+        for (i, b) in self.backends.iter().enumerate() {
+            crate::endpoints::parse_base_url(&b.url)
+                .map_err(|m| ConfigError::invalid(format!("backends[{i}].url"), m))?;
+            if self.engine(&b.engine).is_none() {
+                return Err(ConfigError::invalid(
+                    format!("backends[{i}].engine"),
+                    format!(
+                        "unknown engine `{}` (built in: vllm, sglang; or define [engines.{}])",
+                        b.engine, b.engine
+                    ),
+                ));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError::invalid(
+                "max_body_bytes",
+                "must be greater than 0",
+            ));
+        }
+        let p = &self.poller;
+        for (field, v) in [
+            ("poller.interval_ms", p.interval_ms),
+            ("poller.timeout_ms", p.timeout_ms),
+            ("poller.stale_after_ms", p.stale_after_ms),
+            ("poller.models_interval_ms", p.models_interval_ms),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::invalid(field, "must be greater than 0"));
+            }
+        }
+        if p.unhealthy_after == 0 || p.healthy_after == 0 {
+            return Err(ConfigError::invalid(
+                "poller",
+                "unhealthy_after and healthy_after must be at least 1",
+            ));
+        }
+        if self.forward.max_attempts == 0 {
+            return Err(ConfigError::invalid(
+                "forward.max_attempts",
+                "must be at least 1",
+            ));
+        }
+        for (field, value) in [
+            ("backend_header", &self.backend_header),
+            ("session_header", &self.session_header),
+        ] {
+            http::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
+                ConfigError::invalid(field, format!("`{value}` is not a valid header name"))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The metric names of an engine, built-in or configured.
+    pub fn engine(&self, name: &str) -> Option<EngineMetricNames> {
+        self.engines
+            .get(name)
+            .cloned()
+            .or_else(|| EngineMetricNames::builtin(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = Config::from_toml("", "t").unwrap();
+        assert_eq!(c.poller.interval_ms, 50);
+        assert_eq!(c.listen.port(), 8000);
+        assert!(c.validate().is_err(), "no backends must be rejected");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let err =
+            Config::from_toml("listen = \"127.0.0.1:1\"\nlisten_port = 3\n", "t").unwrap_err();
+        assert!(err.to_string().contains("listen_port"), "{err}");
+        let err = Config::from_toml("[poller]\ninterval = 3\n", "t").unwrap_err();
+        assert!(err.to_string().contains("interval"), "{err}");
+        let err =
+            Config::from_toml("[[backends]]\nurl = \"http://a:1\"\nweight = 2\n", "t").unwrap_err();
+        assert!(err.to_string().contains("weight"), "{err}");
+    }
+
+    #[test]
+    fn invalid_backend_url_is_named() {
+        for url in [
+            "not a url",
+            "ftp://x:1",
+            "http://",
+            "http://h:1/path",
+            "http://h:99999",
+        ] {
+            let c = Config::from_toml(&format!("[[backends]]\nurl = \"{url}\"\n"), "t").unwrap();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("backends[0].url"), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_engine_is_named() {
+        let c = Config::from_toml(
+            "[[backends]]\nurl = \"http://h:1\"\nengine = \"tgi\"\n",
+            "t",
+        )
+        .unwrap();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("backends[0].engine"));
+    }
+
+    #[test]
+    fn custom_engine_is_accepted() {
+        let c = Config::from_toml(
+            "[engines.tgi]\nwaiting = [\"tgi_queue_size\"]\n[[backends]]\nurl = \"http://h:1\"\nengine = \"tgi\"\n",
+            "t",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            c.engine("tgi").unwrap().waiting,
+            vec!["tgi_queue_size".to_owned()]
+        );
+    }
+
+    #[test]
+    fn bad_header_name_is_rejected() {
+        let c = Config::from_toml(
+            "backend_header = \"bad header\"\n[[backends]]\nurl = \"http://h:1\"\n",
+            "t",
+        )
+        .unwrap();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("backend_header"));
+    }
+}

@@ -1,0 +1,202 @@
+//! The one place where errors become HTTP statuses and OpenAI-shaped JSON bodies.
+//!
+//! Everything inside inferlb returns a typed [`Error`]; only the front door calls
+//! [`Error::into_response`]. Keeping the mapping here means a status code can be
+//! audited in one table instead of being scattered through handlers.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// Every failure a request can meet between the front door and the backend.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The body is not valid JSON, or a field has the wrong type.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// A required field (`messages`, `prompt`) is missing.
+    #[error("missing required field `{0}`")]
+    MissingField(&'static str),
+    /// The body is larger than `max_body_bytes`.
+    #[error("request body is larger than the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    /// The client stopped sending the body or the connection broke while reading it.
+    #[error("failed to read the request body: {0}")]
+    BodyRead(String),
+    /// No backend in the pool has ever served this model.
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
+    /// Backends serve the model, but none of them is currently eligible.
+    #[error("no healthy backend is available for model `{0}`")]
+    NoHealthyBackend(String),
+    /// Every attempt to reach a backend failed before a response arrived.
+    #[error("upstream {backend} failed: {reason}")]
+    Upstream { backend: String, reason: String },
+    /// The backend did not send response headers in time.
+    #[error("upstream {backend} did not answer within {timeout_ms} ms")]
+    UpstreamTimeout { backend: String, timeout_ms: u64 },
+    /// No route matches the path.
+    #[error("no route for {0}")]
+    NotFound(String),
+    /// The route exists but not for this method.
+    #[error("method {0} is not allowed on this route")]
+    MethodNotAllowed(String),
+    /// A bug or an impossible state: reported as 500 without crashing.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// HTTP status, OpenAI error `type` and `code` for this error.
+    pub fn parts(&self) -> (StatusCode, &'static str, Option<&'static str>) {
+        match self {
+            Error::InvalidRequest(_) | Error::MissingField(_) | Error::BodyRead(_) => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", None)
+            }
+            Error::BodyTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                Some("request_too_large"),
+            ),
+            Error::ModelNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ),
+            Error::NoHealthyBackend(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("no_healthy_backend"),
+            ),
+            Error::Upstream { .. } => (
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                Some("upstream_unreachable"),
+            ),
+            Error::UpstreamTimeout { .. } => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_error",
+                Some("upstream_timeout"),
+            ),
+            Error::NotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("not_found"),
+            ),
+            Error::MethodNotAllowed(_) => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                Some("method_not_allowed"),
+            ),
+            Error::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error", None),
+        }
+    }
+
+    /// The request parameter the error is about, when there is one.
+    fn param(&self) -> Option<&str> {
+        match self {
+            Error::MissingField(field) => Some(field),
+            Error::ModelNotFound(_) | Error::NoHealthyBackend(_) => Some("model"),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Body<'a>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    message: String,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+/// Render an OpenAI error body; used for errors and for axum's own rejections.
+pub fn openai_error_body(
+    message: String,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> String {
+    let envelope = Envelope {
+        error: Body {
+            message,
+            kind,
+            param,
+            code,
+        },
+    };
+    // Serialising plain strings cannot fail; fall back to a fixed body rather than panic.
+    serde_json::to_string(&envelope)
+        .unwrap_or_else(|_| r#"{"error":{"message":"internal error","type":"internal_error","param":null,"code":null}}"#.to_owned())
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let (status, kind, code) = self.parts();
+        let body = openai_error_body(self.to_string(), kind, self.param(), code);
+        let mut response = (status, body).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn every_error_renders_openai_shape() {
+        let cases = [
+            (Error::InvalidRequest("bad".into()), 400),
+            (Error::MissingField("messages"), 400),
+            (Error::BodyTooLarge { limit: 10 }, 413),
+            (Error::ModelNotFound("m".into()), 404),
+            (Error::NoHealthyBackend("m".into()), 503),
+            (
+                Error::Upstream {
+                    backend: "b".into(),
+                    reason: "refused".into(),
+                },
+                502,
+            ),
+            (
+                Error::UpstreamTimeout {
+                    backend: "b".into(),
+                    timeout_ms: 1,
+                },
+                504,
+            ),
+            (Error::NotFound("/x".into()), 404),
+            (Error::MethodNotAllowed("GET".into()), 405),
+            (Error::Internal("x".into()), 500),
+        ];
+        for (err, status) in cases {
+            let (s, kind, code) = err.parts();
+            assert_eq!(s.as_u16(), status, "{err}");
+            let body = openai_error_body(err.to_string(), kind, err.param(), code);
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert!(v["error"]["message"].is_string());
+            assert!(v["error"]["type"].is_string());
+            assert!(v["error"].get("param").is_some());
+            assert!(v["error"].get("code").is_some());
+        }
+    }
+
+    #[test]
+    fn model_not_found_has_code() {
+        let err = Error::ModelNotFound("gpt".into());
+        let (_, _, code) = err.parts();
+        assert_eq!(code, Some("model_not_found"));
+        assert_eq!(err.param(), Some("model"));
+    }
+}

@@ -1,0 +1,169 @@
+//! Forwarding: send a scheduled request to its backend over pooled keep-alive connections and
+//! stream the answer back.
+//!
+//! The request body is the client's original bytes (read once by the front door); the
+//! response body streams frame by frame through [`body::GuardedBody`], so Server-Sent Events
+//! reach the client as the backend emits them. The [`Forwarder`] is a tower `Service`; the
+//! scheduler wraps it as a `Layer` and retries connection failures on another backend.
+
+pub mod body;
+pub mod headers;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::ForwardConfig;
+use crate::endpoints::Backend;
+use crate::error::Error;
+use crate::prompt::RequestView;
+use crate::scheduling::framework::Outcome;
+use crate::scheduling::InflightGuard;
+use crate::telemetry as t;
+
+/// A request as the front door hands it to the scheduler: parsed once, body kept as bytes.
+#[derive(Debug)]
+pub struct ProxyRequest {
+    pub method: Method,
+    /// Path and query to send to the backend, e.g. `/v1/chat/completions`.
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub view: Arc<RequestView>,
+    pub request_id: HeaderValue,
+    pub received_at: Instant,
+}
+
+/// A request with its backend chosen.
+pub struct Dispatch {
+    pub request: Arc<ProxyRequest>,
+    pub backend: Arc<Backend>,
+    pub guard: InflightGuard,
+}
+
+/// The hyper client that talks to backends; cheap to clone.
+#[derive(Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, Full<Bytes>>,
+    response_timeout: Duration,
+    forward_client_authorization: bool,
+    backend_header: HeaderName,
+}
+
+impl Forwarder {
+    pub fn new(cfg: &ForwardConfig, backend_header: HeaderName) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_millis(cfg.pool_idle_timeout_ms))
+            .pool_max_idle_per_host(cfg.pool_max_idle_per_backend)
+            .build(connector);
+        Forwarder {
+            client,
+            response_timeout: Duration::from_millis(cfg.response_timeout_ms),
+            forward_client_authorization: cfg.forward_client_authorization,
+            backend_header,
+        }
+    }
+
+    fn build_request(&self, d: &Dispatch) -> Result<Request<Full<Bytes>>, Error> {
+        let req = &d.request;
+        let uri = d
+            .backend
+            .uri_for(&req.path_and_query)
+            .map_err(|e| Error::InvalidRequest(format!("invalid request path: {e}")))?;
+        let mut out = Request::builder()
+            .method(req.method.clone())
+            .uri(uri)
+            .body(Full::new(req.body.clone()))
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        headers::request_headers(
+            &req.headers,
+            out.headers_mut(),
+            d.backend.authorization.as_ref(),
+            self.forward_client_authorization,
+        );
+        out.headers_mut()
+            .insert("x-request-id", req.request_id.clone());
+        Ok(out)
+    }
+}
+
+fn attempt_failed(backend: &Backend, reason: &'static str) {
+    metrics::counter!(t::UPSTREAM_ATTEMPT_FAILURES, "backend" => backend.name.clone(), "reason" => reason)
+        .increment(1);
+}
+
+impl tower::Service<Dispatch> for Forwarder {
+    type Response = Response<Body>;
+    type Error = Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, d: Dispatch) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let request = this.build_request(&d)?;
+            let Dispatch {
+                request: original,
+                backend,
+                mut guard,
+            } = d;
+            let sent =
+                tokio::time::timeout(this.response_timeout, this.client.request(request)).await;
+            let response = match sent {
+                Err(_) => {
+                    attempt_failed(&backend, "timeout");
+                    guard.set_outcome(Outcome::Failed);
+                    return Err(Error::UpstreamTimeout {
+                        backend: backend.name.clone(),
+                        timeout_ms: this.response_timeout.as_millis() as u64,
+                    });
+                }
+                Ok(Err(e)) => {
+                    attempt_failed(&backend, if e.is_connect() { "connect" } else { "io" });
+                    guard.set_outcome(Outcome::Failed);
+                    let reason = std::error::Error::source(&e)
+                        .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
+                    return Err(Error::Upstream {
+                        backend: backend.name.clone(),
+                        reason,
+                    });
+                }
+                Ok(Ok(response)) => response,
+            };
+            let (mut parts, incoming) = response.into_parts();
+            metrics::counter!(
+                t::REQUESTS_TOTAL,
+                "backend" => backend.name.clone(),
+                "model" => guard.model_label(),
+                "code" => parts.status.as_str().to_owned()
+            )
+            .increment(1);
+            headers::strip_response_headers(&mut parts.headers);
+            if let Ok(v) = HeaderValue::from_str(&backend.name) {
+                parts.headers.insert(this.backend_header.clone(), v);
+            }
+            parts
+                .headers
+                .insert("x-request-id", original.request_id.clone());
+            let error_status = parts.status.is_server_error();
+            let body = body::GuardedBody::new(incoming, guard, original.received_at, error_status);
+            Ok(Response::from_parts(parts, Body::new(body)))
+        })
+    }
+}

@@ -1,0 +1,251 @@
+//! The front door: axum routes for the OpenAI API, health, readiness, metrics and admin.
+//!
+//! A proxied request is read once (bounded by `max_body_bytes`), parsed once into a
+//! [`RequestView`], and handed with its original bytes to the scheduling service stack.
+//! Every failure on the way is a typed [`Error`], turned into OpenAI's error JSON by
+//! `error.rs` — including axum's own 404 and 405.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tower::ServiceExt;
+
+use crate::config::Config;
+use crate::endpoints::Pool;
+use crate::error::Error;
+use crate::forward::{Forwarder, ProxyRequest};
+use crate::prompt::{Operation, RequestView};
+use crate::scheduling::SchedulerService;
+use crate::telemetry as t;
+
+/// Everything a handler needs; shared by all requests.
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub pool: Arc<Pool>,
+    pub service: SchedulerService<Forwarder>,
+    pub metrics: Option<PrometheusHandle>,
+    pub session_header: header::HeaderName,
+}
+
+/// Routes of the OpenAI-compatible listener. When `with_admin` is set, `/metrics` and
+/// `/admin/*` are served here too (no separate admin listener configured).
+pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
+    let mut router = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/{*rest}", post(other))
+        .route("/health", get(health))
+        .route("/ready", get(ready));
+    if with_admin {
+        router = router.merge(admin_routes());
+    }
+    router
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// Routes of the admin listener.
+pub fn admin_router(state: Arc<AppState>) -> Router {
+    admin_routes()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn admin_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/metrics", get(prometheus))
+        .route("/admin/backends", get(backends))
+}
+
+async fn chat(State(app): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(app, Operation::ChatCompletions, req).await
+}
+
+async fn completions(State(app): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(app, Operation::Completions, req).await
+}
+
+async fn other(State(app): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(app, Operation::Other, req).await
+}
+
+async fn proxy(app: Arc<AppState>, operation: Operation, req: Request) -> Response {
+    let received_at = Instant::now();
+    match forward(&app, operation, req, received_at).await {
+        Ok(response) => response,
+        Err(err) => {
+            let status = err.parts().0;
+            metrics::counter!(t::REQUESTS_TOTAL, "backend" => "none", "model" => "unknown", "code" => status.as_str().to_owned())
+                .increment(1);
+            if status.is_server_error() {
+                tracing::warn!(error = %err, "request failed");
+            } else {
+                tracing::debug!(error = %err, "request rejected");
+            }
+            err.into_response()
+        }
+    }
+}
+
+async fn forward(
+    app: &AppState,
+    operation: Operation,
+    req: Request,
+    received_at: Instant,
+) -> Result<Response, Error> {
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, &parts.headers, app.config.max_body_bytes).await?;
+    let session = parts
+        .headers
+        .get(&app.session_header)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let view = RequestView::parse(operation, &body)?.with_session(session);
+    let request_id = parts
+        .headers
+        .get("x-request-id")
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .cloned()
+        .unwrap_or_else(new_request_id);
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    let request = ProxyRequest {
+        method: parts.method,
+        path_and_query,
+        headers: parts.headers,
+        body,
+        view: Arc::new(view),
+        request_id,
+        received_at,
+    };
+    app.service.clone().oneshot(request).await
+}
+
+fn new_request_id() -> HeaderValue {
+    let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
+}
+
+/// Read the whole body, refusing early on `Content-Length` and enforcing the limit while reading.
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, Error> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(Error::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Error::BodyTooLarge { limit })
+        }
+        Err(e) => Err(Error::BodyRead(e.to_string())),
+    }
+}
+
+/// `GET /v1/models`: the union of the models of healthy backends, de-duplicated by id.
+async fn models(State(app): State<Arc<AppState>>) -> Response {
+    let mut seen = std::collections::HashSet::new();
+    let mut data = Vec::new();
+    for backend in app.pool.backends() {
+        let state = backend.state();
+        if !state.healthy {
+            continue;
+        }
+        for model in state.models.iter() {
+            if seen.insert(model.id.clone()) {
+                data.push(model.object.clone());
+            }
+        }
+    }
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health() -> Response {
+    (StatusCode::OK, "ok").into_response()
+}
+
+/// 200 while at least one backend is healthy.
+async fn ready(State(app): State<Arc<AppState>>) -> Response {
+    if app.pool.any_healthy() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        Error::NoHealthyBackend("(any)".into()).into_response()
+    }
+}
+
+async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
+    match &app.metrics {
+        Some(handle) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            handle.render(),
+        )
+            .into_response(),
+        None => {
+            Error::Internal("the metrics recorder could not be installed".into()).into_response()
+        }
+    }
+}
+
+/// `GET /admin/backends`: what the router believes about each backend right now.
+async fn backends(State(app): State<Arc<AppState>>) -> Response {
+    let now = Instant::now();
+    let list: Vec<_> = app
+        .pool
+        .backends()
+        .iter()
+        .map(|b| {
+            let s = b.state();
+            let metrics = s.metrics.as_ref().map(|(m, at)| {
+                serde_json::json!({
+                    "age_ms": now.saturating_duration_since(*at).as_millis() as u64,
+                    "waiting": m.waiting,
+                    "running": m.running,
+                    "kv_cache_usage": m.kv_usage,
+                    "block_size": m.block_size,
+                    "num_gpu_blocks": m.num_gpu_blocks,
+                    "running_lora_adapters": m.running_loras,
+                })
+            });
+            serde_json::json!({
+                "url": b.name,
+                "healthy": s.healthy,
+                "inflight": b.inflight(),
+                "epoch": s.epoch,
+                "consecutive_failures": s.consecutive_failures,
+                "last_error": s.last_error,
+                "models": s.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+                "metrics": metrics,
+            })
+        })
+        .collect();
+    Json(serde_json::json!({ "backends": list })).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    Error::NotFound(req.uri().path().to_owned()).into_response()
+}
+
+async fn method_not_allowed(method: Method) -> Response {
+    Error::MethodNotAllowed(method.to_string()).into_response()
+}

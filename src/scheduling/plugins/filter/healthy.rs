@@ -1,0 +1,32 @@
+//! `healthy-filter`: keeps only backends the poller currently considers healthy.
+//!
+//! Input: `BackendState::healthy` (consecutive scrape results). Always part of every profile.
+
+use std::sync::Arc;
+
+use crate::endpoints::Candidate;
+use crate::prompt::RequestView;
+use crate::scheduling::framework::{Filter, Plugin};
+use crate::scheduling::plugins::identity;
+
+pub struct HealthyFilter {
+    name: Arc<str>,
+}
+
+impl HealthyFilter {
+    pub const TYPE: &'static str = "healthy-filter";
+
+    pub fn new(name: &str) -> Self {
+        HealthyFilter { name: name.into() }
+    }
+}
+
+impl Plugin for HealthyFilter {
+    identity!();
+}
+
+impl Filter for HealthyFilter {
+    fn filter(&self, _request: &RequestView, candidates: &mut Vec<Candidate<'_>>) {
+        candidates.retain(|c| c.state.healthy);
+    }
+}

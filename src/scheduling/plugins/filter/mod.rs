@@ -1,0 +1,4 @@
+//! Filters: drop candidates that must not (or should not) serve a request.
+pub mod healthy;
+pub mod model;
+pub mod saturation;

@@ -1,0 +1,34 @@
+//! `model-filter`: keeps only backends whose `/v1/models` lists the requested model
+//! (base models and LoRA adapters alike). A request without `model` keeps every backend,
+//! as vLLM then serves its default model. Always part of every profile.
+
+use std::sync::Arc;
+
+use crate::endpoints::Candidate;
+use crate::prompt::RequestView;
+use crate::scheduling::framework::{Filter, Plugin};
+use crate::scheduling::plugins::identity;
+
+pub struct ModelFilter {
+    name: Arc<str>,
+}
+
+impl ModelFilter {
+    pub const TYPE: &'static str = "model-filter";
+
+    pub fn new(name: &str) -> Self {
+        ModelFilter { name: name.into() }
+    }
+}
+
+impl Plugin for ModelFilter {
+    identity!();
+}
+
+impl Filter for ModelFilter {
+    fn filter(&self, request: &RequestView, candidates: &mut Vec<Candidate<'_>>) {
+        if let Some(model) = request.model.as_deref() {
+            candidates.retain(|c| c.state.serves(model));
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! The prefix index: which backends were sent which prompt blocks, bounded per backend.
+//!
+//! Two structures work together:
+//! * a sharded map `(block hash, word) → bitmask` answers "which backends hold this block" with
+//!   one probe per block and 64-backend word, so matching a prompt costs O(blocks), not
+//!   O(blocks × backends);
+//! * one LRU per backend (moka, least-recently-used policy) bounds what each backend is believed
+//!   to hold; when it evicts a block, its listener clears that backend's bit in the map.
+//!
+//! Block hashes are chained (each mixes the previous one, the first is seeded with the model),
+//! so a hash names a whole prefix, and "block i matches" implies "blocks 0..i match" for a
+//! backend that received that exact prefix. The walk stops at the first block no remaining
+//! candidate holds.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use moka::notification::RemovalCause;
+use moka::policy::EvictionPolicy;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+const SHARDS: usize = 64;
+
+/// Block hashes are already uniformly distributed: hashing them again would only cost time.
+#[derive(Default)]
+pub struct PassThroughHasher(u64);
+
+impl Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 ^= n;
+    }
+    fn write_u16(&mut self, n: u16) {
+        self.0 ^= u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type Shard = RwLock<HashMap<(u64, u16), u64, BuildHasherDefault<PassThroughHasher>>>;
+
+/// Chain-hash `text` in blocks of `block` bytes, at most `max_blocks`, into `out`.
+/// Only full blocks are hashed: a trailing partial block cannot be a shared prefix yet.
+pub fn block_hashes(
+    model: Option<&str>,
+    text: &str,
+    block: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) {
+    out.clear();
+    let mut prev = xxh3_64(model.unwrap_or("").as_bytes());
+    for chunk in text.as_bytes().chunks_exact(block).take(max_blocks) {
+        prev = xxh3_64_with_seed(chunk, prev);
+        out.push(prev);
+    }
+}
+
+struct BackendLru {
+    epoch: u64,
+    cache: moka::sync::Cache<u64, ()>,
+}
+
+/// Shared by all requests of one prefix scorer.
+pub struct PrefixIndex {
+    shards: Arc<[Shard]>,
+    lrus: RwLock<Vec<Option<BackendLru>>>,
+}
+
+fn shard_of(hash: u64) -> usize {
+    // The low bits pick the bucket inside a shard's map; use high bits for the shard.
+    (hash >> 58) as usize % SHARDS
+}
+
+fn word_bit(backend: usize) -> (u16, u64) {
+    ((backend / 64) as u16, 1u64 << (backend % 64))
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex::new()
+    }
+}
+
+impl PrefixIndex {
+    pub fn new() -> Self {
+        let shards: Vec<Shard> = (0..SHARDS).map(|_| RwLock::default()).collect();
+        PrefixIndex {
+            shards: shards.into(),
+            lrus: RwLock::new(Vec::new()),
+        }
+    }
+
+    /// The epoch the index holds for `backend`, if it holds anything.
+    pub fn epoch(&self, backend: usize) -> Option<u64> {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        lrus.get(backend).and_then(|l| l.as_ref()).map(|l| l.epoch)
+    }
+
+    /// For each `(backend, epoch)` candidate, how many leading blocks of `hashes` it holds.
+    /// Candidates whose epoch differs from the index's get 0 (their cache was wiped).
+    pub fn match_lengths(&self, hashes: &[u64], candidates: &[(usize, u64)], out: &mut [usize]) {
+        out.iter_mut().for_each(|m| *m = 0);
+        if hashes.is_empty() || candidates.is_empty() {
+            return;
+        }
+        // alive[w] = candidates (by bit) in word w that have matched every block so far.
+        let words = candidates.iter().map(|(b, _)| b / 64).max().unwrap_or(0) + 1;
+        let mut alive = vec![0u64; words];
+        {
+            let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+            for (backend, epoch) in candidates {
+                let current = lrus.get(*backend).and_then(|l| l.as_ref()).map(|l| l.epoch);
+                if current == Some(*epoch) {
+                    let (w, bit) = word_bit(*backend);
+                    alive[w as usize] |= bit;
+                }
+            }
+        }
+        let mut reached = vec![0usize; words * 64];
+        let mut depth = hashes.len();
+        'blocks: for (i, hash) in hashes.iter().enumerate() {
+            let shard = self.shards[shard_of(*hash)]
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            let mut any = false;
+            for (w, mask) in alive.iter_mut().enumerate() {
+                if *mask == 0 {
+                    continue;
+                }
+                let held = shard.get(&(*hash, w as u16)).copied().unwrap_or(0);
+                let mut dropped = *mask & !held;
+                while dropped != 0 {
+                    let bit = dropped.trailing_zeros() as usize;
+                    reached[w * 64 + bit] = i;
+                    dropped &= dropped - 1;
+                }
+                *mask &= held;
+                any |= *mask != 0;
+            }
+            if !any {
+                depth = i;
+                break 'blocks;
+            }
+        }
+        for (w, mask) in alive.iter().enumerate() {
+            let mut m = *mask;
+            while m != 0 {
+                let bit = m.trailing_zeros() as usize;
+                reached[w * 64 + bit] = depth;
+                m &= m - 1;
+            }
+        }
+        for (slot, (backend, _)) in out.iter_mut().zip(candidates) {
+            *slot = reached[*backend];
+        }
+    }
+
+    /// Remember that `backend` (at `epoch`) was sent `hashes`. `capacity` bounds its LRU in blocks.
+    pub fn record(&self, backend: usize, epoch: u64, capacity: u64, hashes: &[u64]) {
+        let cache = self.cache_for(backend, epoch, capacity);
+        let (w, bit) = word_bit(backend);
+        for hash in hashes {
+            if cache.contains_key(hash) {
+                // Refresh recency; the bit is already set.
+                cache.get(hash);
+                continue;
+            }
+            {
+                let mut shard = self.shards[shard_of(*hash)]
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner);
+                *shard.entry((*hash, w)).or_insert(0) |= bit;
+            }
+            cache.insert(*hash, ());
+        }
+    }
+
+    /// The LRU of `backend` for `epoch`, created (or replaced after a purge) as needed.
+    fn cache_for(&self, backend: usize, epoch: u64, capacity: u64) -> moka::sync::Cache<u64, ()> {
+        {
+            let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(Some(l)) = lrus.get(backend) {
+                if l.epoch == epoch {
+                    return l.cache.clone();
+                }
+            }
+        }
+        let mut lrus = self.lrus.write().unwrap_or_else(PoisonError::into_inner);
+        if lrus.len() <= backend {
+            lrus.resize_with(backend + 1, || None);
+        }
+        if let Some(l) = &lrus[backend] {
+            if l.epoch == epoch {
+                return l.cache.clone();
+            }
+        }
+        if lrus[backend].take().is_some() {
+            self.clear_bits(backend);
+        }
+        let shards = Arc::clone(&self.shards);
+        let (w, bit) = word_bit(backend);
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(capacity.max(1))
+            .eviction_policy(EvictionPolicy::lru())
+            .eviction_listener(move |hash: Arc<u64>, _: (), cause: RemovalCause| {
+                if cause == RemovalCause::Replaced {
+                    return;
+                }
+                let mut shard = shards[shard_of(*hash)]
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if let Some(mask) = shard.get_mut(&(*hash, w)) {
+                    *mask &= !bit;
+                    if *mask == 0 {
+                        shard.remove(&(*hash, w));
+                    }
+                }
+            })
+            .build();
+        lrus[backend] = Some(BackendLru {
+            epoch,
+            cache: cache.clone(),
+        });
+        cache
+    }
+
+    /// Forget everything about `backend` (it left the pool or its cache was wiped).
+    pub fn purge(&self, backend: usize) {
+        let mut lrus = self.lrus.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = lrus.get_mut(backend) {
+            *slot = None;
+        }
+        self.clear_bits(backend);
+    }
+
+    fn clear_bits(&self, backend: usize) {
+        let (w, bit) = word_bit(backend);
+        for shard in self.shards.iter() {
+            let mut shard = shard.write().unwrap_or_else(PoisonError::into_inner);
+            shard.retain(|(_, word), mask| {
+                if *word == w {
+                    *mask &= !bit;
+                }
+                *mask != 0
+            });
+        }
+    }
+
+    /// Blocks held over all backends (as counted by their LRUs).
+    pub fn blocks(&self) -> u64 {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        lrus.iter().flatten().map(|l| l.cache.entry_count()).sum()
+    }
+
+    /// Apply pending LRU work now (tests and gauges want exact counts).
+    pub fn sync(&self) {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        for l in lrus.iter().flatten() {
+            l.cache.run_pending_tasks();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn hashes(text: &str) -> Vec<u64> {
+        let mut out = Vec::new();
+        block_hashes(Some("m"), text, 4, usize::MAX, &mut out);
+        out
+    }
+
+    #[test]
+    fn chained_hashes_share_prefixes_only() {
+        let a = hashes("aaaabbbbcccc");
+        let b = hashes("aaaabbbbdddd");
+        let c = hashes("xxxxbbbbcccc");
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        assert_ne!(
+            a[1], c[1],
+            "same block after a different prefix must differ"
+        );
+        assert_eq!(hashes("aaaab").len(), 1, "partial block is not hashed");
+        let mut other_model = Vec::new();
+        block_hashes(Some("n"), "aaaa", 4, 10, &mut other_model);
+        assert_ne!(other_model[0], a[0], "the model seeds the chain");
+        block_hashes(None, "aaaabbbbcccc", 4, 2, &mut other_model);
+        assert_eq!(other_model.len(), 2, "max_blocks bounds the work");
+    }
+
+    #[test]
+    fn matches_leading_blocks_per_backend() {
+        let idx = PrefixIndex::new();
+        let a = hashes("aaaabbbbccccdddd");
+        idx.record(0, 0, 100, &a[..2]);
+        idx.record(1, 0, 100, &a);
+        idx.record(70, 0, 100, &a[..3]);
+        let cands = [(0, 0), (1, 0), (2, 0), (70, 0)];
+        let mut out = [9; 4];
+        idx.match_lengths(&a, &cands, &mut out);
+        assert_eq!(out, [2, 4, 0, 3]);
+        let other = hashes("zzzzbbbb");
+        idx.match_lengths(&other, &cands, &mut out);
+        assert_eq!(out, [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn epoch_change_forgets_backend() {
+        let idx = PrefixIndex::new();
+        let a = hashes("aaaabbbb");
+        idx.record(0, 0, 100, &a);
+        let mut out = [0; 1];
+        idx.match_lengths(&a, &[(0, 1)], &mut out);
+        assert_eq!(
+            out,
+            [0],
+            "a candidate at a new epoch does not match old records"
+        );
+        idx.record(0, 1, 100, &a[..1]);
+        idx.match_lengths(&a, &[(0, 1)], &mut out);
+        assert_eq!(out, [1]);
+        assert_eq!(idx.epoch(0), Some(1));
+    }
+
+    #[test]
+    fn purge_clears_one_backend_only() {
+        let idx = PrefixIndex::new();
+        let a = hashes("aaaabbbb");
+        idx.record(0, 0, 100, &a);
+        idx.record(1, 0, 100, &a);
+        idx.purge(0);
+        let mut out = [0; 2];
+        idx.match_lengths(&a, &[(0, 0), (1, 0)], &mut out);
+        assert_eq!(out, [0, 2]);
+    }
+
+    #[test]
+    fn lru_bound_evicts_oldest_and_clears_bits() {
+        let idx = PrefixIndex::new();
+        let first = hashes("aaaabbbb");
+        let second = hashes("ccccdddd");
+        idx.record(0, 0, 2, &first);
+        idx.sync();
+        idx.record(0, 0, 2, &second);
+        idx.sync();
+        assert_eq!(idx.blocks(), 2);
+        let mut out = [0; 1];
+        idx.match_lengths(&second, &[(0, 0)], &mut out);
+        assert_eq!(out, [2]);
+        idx.match_lengths(&first, &[(0, 0)], &mut out);
+        assert_eq!(out, [0], "evicted blocks no longer match");
+    }
+}

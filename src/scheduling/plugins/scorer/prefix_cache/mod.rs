@@ -1,0 +1,224 @@
+//! `prefix-cache-scorer`: prefers the backend most likely to hold the request's prompt prefix
+//! in its KV cache, judged by which prompts the router itself sent where.
+//!
+//! The routing text is cut into blocks of `block_size` characters (UTF-8 bytes) and the blocks
+//! are chain-hashed with XXH3-64 (the first seeded with the model name), see [`index`]. For a
+//! candidate holding the first `m` of the prompt's `n` full blocks:
+//!
+//! ```text
+//! ratio  = m / n
+//! length = min(1, m · block_size / long_match_chars)
+//! score  = (1 − length_weight) · ratio + length_weight · length        (0 when n = 0)
+//! ```
+//!
+//! The length term keeps a long 90 % match from losing to a short full match. After the pick,
+//! the chosen backend's LRU records the prompt's blocks. Each backend's LRU holds at most
+//! `capacity` blocks: a number, or `"auto"` = `num_gpu_blocks × block_size` tokens (from
+//! `vllm:cache_config_info`) × `chars_per_token` ÷ `block_size` characters, falling back to
+//! `fallback_capacity` blocks while the geometry is unknown. When a backend's cache may have
+//! been wiped (restart, re-admission: its state epoch changes) its records are purged.
+
+pub mod index;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::config::ConfigError;
+use crate::endpoints::{Backend, Candidate};
+use crate::prompt::RequestView;
+use crate::scheduling::framework::{Category, CycleState, Plugin, Scorer};
+use crate::scheduling::plugins::{identity, parameters};
+use crate::telemetry as t;
+use index::{block_hashes, PrefixIndex};
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+enum Capacity {
+    Blocks(u64),
+    Auto(AutoWord),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum AutoWord {
+    Auto,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Params {
+    block_size: usize,
+    capacity: Capacity,
+    chars_per_token: f64,
+    fallback_capacity: u64,
+    length_weight: f64,
+    long_match_chars: usize,
+    max_blocks: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            block_size: 64,
+            capacity: Capacity::Auto(AutoWord::Auto),
+            chars_per_token: 4.0,
+            // 500k tokens × 4 chars ÷ 64 chars: an 8B model's cache on one 80 GB GPU.
+            fallback_capacity: 31_250,
+            length_weight: 0.0,
+            long_match_chars: 32_768,
+            max_blocks: 4_096,
+        }
+    }
+}
+
+/// Data kept between scoring and recording for one request.
+struct Scratch {
+    hashes: Vec<u64>,
+    /// (backend id, matched blocks) for each scored candidate.
+    matched: Vec<(usize, usize)>,
+}
+
+pub struct PrefixCacheScorer {
+    name: Arc<str>,
+    params: Params,
+    index: PrefixIndex,
+    decisions: AtomicU64,
+}
+
+impl PrefixCacheScorer {
+    pub const TYPE: &'static str = "prefix-cache-scorer";
+
+    pub fn from_parameters(name: &str, table: &toml::Table) -> Result<Self, ConfigError> {
+        let params: Params = parameters(name, table)?;
+        let field = format!("plugins.{name}.parameters");
+        if params.block_size == 0 || params.max_blocks == 0 || params.long_match_chars == 0 {
+            return Err(ConfigError::invalid(
+                field,
+                "block_size, max_blocks and long_match_chars must be > 0",
+            ));
+        }
+        if !(0.0..=1.0).contains(&params.length_weight) {
+            return Err(ConfigError::invalid(
+                field,
+                "length_weight must be within 0..1",
+            ));
+        }
+        if !(params.chars_per_token > 0.0 && params.chars_per_token.is_finite()) {
+            return Err(ConfigError::invalid(field, "chars_per_token must be > 0"));
+        }
+        if params.capacity == Capacity::Blocks(0) {
+            return Err(ConfigError::invalid(
+                field,
+                "capacity must be > 0 or \"auto\"",
+            ));
+        }
+        Ok(PrefixCacheScorer {
+            name: name.into(),
+            params,
+            index: PrefixIndex::new(),
+            decisions: AtomicU64::new(0),
+        })
+    }
+
+    /// Blocks the index may hold for `backend`.
+    fn capacity(&self, backend: &Backend) -> u64 {
+        match self.params.capacity {
+            Capacity::Blocks(n) => n,
+            Capacity::Auto(_) => backend
+                .state()
+                .metrics
+                .as_ref()
+                .and_then(|(m, _)| m.kv_capacity_tokens())
+                .map_or(self.params.fallback_capacity, |tokens| {
+                    ((tokens as f64 * self.params.chars_per_token) / self.params.block_size as f64)
+                        .ceil() as u64
+                })
+                .max(1),
+        }
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+}
+
+impl Plugin for PrefixCacheScorer {
+    identity!();
+
+    fn after_pick(&self, _request: &RequestView, state: &CycleState, backend: &Backend) {
+        let Some(scratch) = state.get::<Scratch>(&self.name) else {
+            return;
+        };
+        if scratch.hashes.is_empty() {
+            return;
+        }
+        let matched = scratch
+            .matched
+            .iter()
+            .find(|(id, _)| *id == backend.id)
+            .map_or(0, |(_, m)| *m);
+        metrics::histogram!(t::PREFIX_MATCH_RATIO)
+            .record(matched as f64 / scratch.hashes.len() as f64);
+        let epoch = backend.state().epoch;
+        self.index
+            .record(backend.id, epoch, self.capacity(backend), &scratch.hashes);
+        if self.decisions.fetch_add(1, Ordering::Relaxed) % 64 == 0 {
+            metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
+        }
+    }
+}
+
+impl Scorer for PrefixCacheScorer {
+    fn category(&self) -> Category {
+        Category::Affinity
+    }
+
+    fn consumes(&self) -> &'static [&'static str] {
+        &["routing_text", "cache_config"]
+    }
+
+    fn score(
+        &self,
+        request: &RequestView,
+        state: &mut CycleState,
+        candidates: &[Candidate<'_>],
+        scores: &mut [f64],
+    ) {
+        scores.iter_mut().for_each(|s| *s = 0.0);
+        let Some(text) = request.routing_text.as_deref() else {
+            return;
+        };
+        let mut hashes = Vec::with_capacity(text.len() / self.params.block_size + 1);
+        block_hashes(
+            request.model.as_deref(),
+            text,
+            self.params.block_size,
+            self.params.max_blocks,
+            &mut hashes,
+        );
+        let ids: Vec<(usize, u64)> = candidates
+            .iter()
+            .map(|c| (c.backend.id, c.state.epoch))
+            .collect();
+        let mut matched = vec![0usize; candidates.len()];
+        self.index.match_lengths(&hashes, &ids, &mut matched);
+        let n = hashes.len();
+        if n > 0 {
+            let w = self.params.length_weight;
+            for (slot, m) in scores.iter_mut().zip(&matched) {
+                let ratio = *m as f64 / n as f64;
+                let length = ((*m * self.params.block_size) as f64
+                    / self.params.long_match_chars as f64)
+                    .min(1.0);
+                *slot = (1.0 - w) * ratio + w * length;
+            }
+        }
+        let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
+        state.put(&self.name, Scratch { hashes, matched });
+    }
+}
+
+#[cfg(test)]
+mod tests;

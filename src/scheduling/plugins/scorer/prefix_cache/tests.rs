@@ -1,0 +1,135 @@
+//! Exact-value tests of the prefix scorer: matching, recording, capacity and purging.
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::endpoints::engine::LoadMetrics;
+use crate::endpoints::test_support::backends;
+use crate::prompt::Operation;
+
+fn scorer(params: &str) -> PrefixCacheScorer {
+    PrefixCacheScorer::from_parameters("prefix", &toml::from_str(params).unwrap()).unwrap()
+}
+
+fn view(prompt: &str) -> RequestView {
+    let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+    RequestView::parse(Operation::Completions, body.as_bytes()).unwrap()
+}
+
+fn score(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>]) -> (Vec<f64>, CycleState) {
+    let mut state = CycleState::default();
+    let mut out = vec![0.0; c.len()];
+    s.score(v, &mut state, c, &mut out);
+    (out, state)
+}
+
+#[test]
+fn ratio_of_leading_blocks() {
+    let b = backends(3);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 4");
+    let first = view("aaaabbbbccccdddd");
+    let (scores, state) = score(&s, &first, &c);
+    assert_eq!(scores, vec![0.0, 0.0, 0.0], "empty index matches nothing");
+    s.after_pick(&first, &state, &b[1]);
+    let (scores, _) = score(&s, &first, &c);
+    assert_eq!(scores, vec![0.0, 1.0, 0.0]);
+    let second = view("aaaabbbbzzzzzzzz");
+    let (scores, _) = score(&s, &second, &c);
+    assert_eq!(scores, vec![0.0, 0.5, 0.0]);
+}
+
+#[test]
+fn short_prompts_score_zero() {
+    let b = backends(2);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 64");
+    let (scores, state) = score(&s, &view("short"), &c);
+    assert_eq!(scores, vec![0.0, 0.0]);
+    s.after_pick(&view("short"), &state, &b[0]);
+    assert_eq!(s.index().blocks(), 0);
+}
+
+#[test]
+fn length_weight_prefers_long_partial_match() {
+    let b = backends(2);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16");
+    let long = view("aaaabbbbccccdddd");
+    let (_, state) = score(&s, &long, &c);
+    s.after_pick(&long, &state, &b[0]);
+    // 2 of 4 blocks on backend 0: ratio 0.5, length 8/16 = 0.5 → 0.5.
+    let (scores, _) = score(&s, &view("aaaabbbbxxxxyyyy"), &c);
+    assert_eq!(scores, vec![0.5, 0.0]);
+    // Full 4/4 match: ratio 1, length 1 → 1.
+    let (scores, _) = score(&s, &long, &c);
+    assert_eq!(scores, vec![1.0, 0.0]);
+}
+
+#[test]
+fn model_separates_prefixes() {
+    let b = backends(1);
+    let c = vec![Candidate::with_metrics(&b[0], None, 0)];
+    let s = scorer("block_size = 4");
+    let v = view("aaaabbbb");
+    let (_, state) = score(&s, &v, &c);
+    s.after_pick(&v, &state, &b[0]);
+    let other = RequestView::parse(
+        Operation::Completions,
+        br#"{"model":"other","prompt":"aaaabbbb"}"#,
+    )
+    .unwrap();
+    let (scores, _) = score(&s, &other, &c);
+    assert_eq!(scores, vec![0.0]);
+}
+
+#[test]
+fn auto_capacity_from_cache_geometry() {
+    let b = backends(1);
+    let s = scorer("block_size = 64\nchars_per_token = 4.0");
+    assert_eq!(
+        s.capacity(&b[0]),
+        31_250,
+        "fallback while geometry is unknown"
+    );
+    let mut state = (*b[0].state()).clone();
+    state.metrics = Some((
+        LoadMetrics {
+            block_size: Some(16),
+            num_gpu_blocks: Some(1000),
+            ..Default::default()
+        },
+        std::time::Instant::now(),
+    ));
+    b[0].publish(state);
+    // 16 000 tokens × 4 chars ÷ 64 = 1000 blocks.
+    assert_eq!(s.capacity(&b[0]), 1000);
+    let fixed = scorer("capacity = 7");
+    assert_eq!(fixed.capacity(&b[0]), 7);
+}
+
+#[test]
+fn bad_parameters_are_rejected_with_their_name() {
+    for bad in [
+        "block_size = 0",
+        "length_weight = 2.0",
+        "capacity = 0",
+        "capacity = \"lots\"",
+        "blocksize = 3",
+    ] {
+        let table: toml::Table = toml::from_str(bad).unwrap();
+        let err = PrefixCacheScorer::from_parameters("prefix", &table)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("plugins.prefix.parameters"), "{bad}: {err}");
+    }
+}

@@ -1,0 +1,252 @@
+//! A scheduling profile: filters, then weighted scorers, then a picker.
+//!
+//! `total(c) = Σ weightᵢ × clamp(scoreᵢ(c), 0, 1)` is computed here and only here. Profiles
+//! are built from the EndpointPickerConfig-shaped `plugins` / `scheduling_profiles` tables;
+//! the health and model filters are always applied first, whether a profile names them or not,
+//! because no weighting may send a request to a dead backend or one without the model.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::framework::{CycleState, Filter, Picker, Plugin, Scorer};
+use super::plugins::filter::{healthy::HealthyFilter, model::ModelFilter};
+use super::plugins::picker::max_score::MaxScorePicker;
+use super::plugins::scorer::{
+    inflight::InflightScorer, kv_cache_utilization::KvCacheUtilizationScorer,
+    prefix_cache::PrefixCacheScorer, queue::QueueScorer,
+};
+use super::registry::{build, PluginInstance};
+use crate::config::{Config, ConfigError, PluginSpec, ProfilePluginRef, ProfileSpec};
+use crate::endpoints::Candidate;
+use crate::prompt::RequestView;
+
+/// The profile used when the config defines none (weights tuned with `loadgen compare`).
+pub const DEFAULT_PROFILE: &[(&str, Option<f64>)] = &[
+    (PrefixCacheScorer::TYPE, Some(3.0)),
+    (QueueScorer::TYPE, Some(2.0)),
+    (KvCacheUtilizationScorer::TYPE, Some(2.0)),
+    (InflightScorer::TYPE, Some(1.0)),
+    (MaxScorePicker::TYPE, None),
+];
+
+/// One candidate's result, for debug logs.
+pub struct Decision {
+    /// Index into the candidates passed to [`Profile::run`].
+    pub index: usize,
+    pub state: CycleState,
+}
+
+pub struct Profile {
+    pub name: String,
+    filters: Vec<Arc<dyn Filter>>,
+    scorers: Vec<(Arc<dyn Scorer>, f64)>,
+    picker: Arc<dyn Picker>,
+    /// Every plugin of the profile, for lifecycle hooks.
+    plugins: Vec<Arc<dyn Plugin>>,
+}
+
+impl Profile {
+    /// Filter `candidates` in place, score, and pick. `None` when filtering left nobody.
+    pub fn run(
+        &self,
+        request: &RequestView,
+        candidates: &mut Vec<Candidate<'_>>,
+    ) -> Option<Decision> {
+        for filter in &self.filters {
+            filter.filter(request, candidates);
+            if candidates.is_empty() {
+                return None;
+            }
+        }
+        let mut state = CycleState::default();
+        let mut totals = vec![0.0; candidates.len()];
+        let mut scratch = vec![0.0; candidates.len()];
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
+        let mut trace: Vec<(&str, Vec<f64>)> = Vec::new();
+        for (scorer, weight) in &self.scorers {
+            scorer.score(request, &mut state, candidates, &mut scratch);
+            for (total, score) in totals.iter_mut().zip(&scratch) {
+                let s = if score.is_finite() {
+                    score.clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
+                *total += weight * s;
+            }
+            if debug {
+                trace.push((scorer.name(), scratch.clone()));
+            }
+        }
+        let index = self.picker.pick(candidates, &totals)?;
+        if debug {
+            for (i, c) in candidates.iter().enumerate() {
+                let parts: Vec<String> = trace
+                    .iter()
+                    .map(|(n, s)| format!("{n}={:.3}", s[i]))
+                    .collect();
+                tracing::debug!(
+                    profile = %self.name,
+                    backend = %c.backend.name,
+                    total = totals[i],
+                    picked = i == index,
+                    scores = %parts.join(" "),
+                    "candidate"
+                );
+            }
+        }
+        Some(Decision { index, state })
+    }
+
+    pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
+        &self.plugins
+    }
+
+    /// Describe the profile for the start-up log.
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<String> = self.filters.iter().map(|f| f.name().to_owned()).collect();
+        parts.extend(
+            self.scorers
+                .iter()
+                .map(|(s, w)| format!("{}×{w}", s.name())),
+        );
+        parts.push(self.picker.name().to_owned());
+        format!("{}: {}", self.name, parts.join(" → "))
+    }
+}
+
+/// Build the active profile (and validate all the others) from the config.
+pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
+    let mut instances: HashMap<String, PluginInstance> = HashMap::new();
+    for (i, spec) in config.plugins.iter().enumerate() {
+        let name = spec.instance_name().to_owned();
+        if instances.contains_key(&name) {
+            return Err(ConfigError::invalid(
+                format!("plugins[{i}].name"),
+                format!("duplicate plugin name `{name}`"),
+            ));
+        }
+        instances.insert(name, build(spec)?);
+    }
+    let profiles: Vec<ProfileSpec> = if config.scheduling_profiles.is_empty() {
+        // The default profile may use plugins the file does not declare: create them with defaults.
+        for (kind, _) in DEFAULT_PROFILE {
+            if !instances.contains_key(*kind) {
+                let spec = PluginSpec {
+                    kind: (*kind).to_owned(),
+                    name: None,
+                    parameters: toml::Table::new(),
+                };
+                instances.insert((*kind).to_owned(), build(&spec)?);
+            }
+        }
+        vec![ProfileSpec {
+            name: "default".into(),
+            plugins: DEFAULT_PROFILE
+                .iter()
+                .map(|(kind, weight)| ProfilePluginRef {
+                    plugin_ref: (*kind).to_owned(),
+                    weight: *weight,
+                })
+                .collect(),
+        }]
+    } else {
+        config.scheduling_profiles.clone()
+    };
+    let mut active = None;
+    let wanted = config
+        .profile
+        .clone()
+        .unwrap_or_else(|| profiles[0].name.clone());
+    let mut seen = std::collections::HashSet::new();
+    for (pi, spec) in profiles.iter().enumerate() {
+        if !seen.insert(spec.name.clone()) {
+            return Err(ConfigError::invalid(
+                format!("scheduling_profiles[{pi}].name"),
+                format!("duplicate profile name `{}`", spec.name),
+            ));
+        }
+        let profile = build_profile(pi, spec, &instances)?;
+        if spec.name == wanted {
+            active = Some(Arc::new(profile));
+        }
+    }
+    active.ok_or_else(|| {
+        let names: Vec<_> = profiles.iter().map(|p| p.name.as_str()).collect();
+        ConfigError::invalid(
+            "profile",
+            format!(
+                "no scheduling profile named `{wanted}` (have: {})",
+                names.join(", ")
+            ),
+        )
+    })
+}
+
+fn build_profile(
+    pi: usize,
+    spec: &ProfileSpec,
+    instances: &HashMap<String, PluginInstance>,
+) -> Result<Profile, ConfigError> {
+    let mut filters: Vec<Arc<dyn Filter>> = Vec::new();
+    let mut scorers = Vec::new();
+    let mut picker: Option<Arc<dyn Picker>> = None;
+    let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
+    for (j, r) in spec.plugins.iter().enumerate() {
+        let field = format!("scheduling_profiles[{pi}].plugins[{j}]");
+        let instance = instances.get(&r.plugin_ref).ok_or_else(|| {
+            ConfigError::invalid(
+                format!("{field}.plugin_ref"),
+                format!("no plugin named `{}` in [[plugins]]", r.plugin_ref),
+            )
+        })?;
+        if !matches!(instance, PluginInstance::Scorer(_)) && r.weight.is_some() {
+            return Err(ConfigError::invalid(
+                format!("{field}.weight"),
+                "only scorers take a weight",
+            ));
+        }
+        plugins.push(instance.as_plugin());
+        match instance {
+            PluginInstance::Filter(f) => filters.push(f.clone()),
+            PluginInstance::Scorer(s) => {
+                let weight = r.weight.unwrap_or(1.0);
+                if !(weight.is_finite() && weight >= 0.0) {
+                    return Err(ConfigError::invalid(
+                        format!("{field}.weight"),
+                        "must be a finite number ≥ 0",
+                    ));
+                }
+                scorers.push((s.clone(), weight));
+            }
+            PluginInstance::Picker(p) => {
+                if picker.replace(p.clone()).is_some() {
+                    return Err(ConfigError::invalid(
+                        field,
+                        "a profile has at most one picker",
+                    ));
+                }
+            }
+        }
+    }
+    // Health and model are not optional: prepend them unless the profile already has them.
+    let has = |t: &str| filters.iter().any(|f| f.type_name() == t);
+    let mut mandatory: Vec<Arc<dyn Filter>> = Vec::new();
+    if !has(HealthyFilter::TYPE) {
+        mandatory.push(Arc::new(HealthyFilter::new(HealthyFilter::TYPE)));
+    }
+    if !has(ModelFilter::TYPE) {
+        mandatory.push(Arc::new(ModelFilter::new(ModelFilter::TYPE)));
+    }
+    mandatory.extend(filters);
+    Ok(Profile {
+        name: spec.name.clone(),
+        filters: mandatory,
+        scorers,
+        picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),
+        plugins,
+    })
+}
+
+#[cfg(test)]
+#[path = "profile_tests.rs"]
+mod tests;

@@ -1,0 +1,143 @@
+//! Profile building (validation messages) and the weighted sum, with exact values.
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::endpoints::engine::LoadMetrics;
+use crate::endpoints::test_support::{backends, load};
+use crate::endpoints::Candidate;
+use crate::prompt::Operation;
+
+fn config(text: &str) -> Config {
+    Config::from_toml(text, "t").unwrap()
+}
+
+fn err(text: &str) -> String {
+    build_active(&config(text)).err().unwrap().to_string()
+}
+
+#[test]
+fn default_profile_when_none_configured() {
+    let p = build_active(&config("")).unwrap();
+    assert_eq!(
+        p.describe(),
+        "default: healthy-filter → model-filter → prefix-cache-scorer×3 → queue-scorer×2 → \
+         kv-cache-utilization-scorer×2 → inflight-scorer×1 → max-score-picker"
+    );
+}
+
+#[test]
+fn default_profile_uses_declared_parameters() {
+    let p = build_active(&config(
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = 128\n",
+    ))
+    .unwrap();
+    assert!(p.describe().contains("prefix-cache-scorer×3"));
+}
+
+#[test]
+fn configured_profile_is_built() {
+    let p = build_active(&config(
+        r#"
+        [[plugins]]
+        type = "queue-scorer"
+        name = "q"
+        [[plugins]]
+        type = "round-robin-picker"
+        [[scheduling_profiles]]
+        name = "rr"
+        plugins = [{ plugin_ref = "q", weight = 2.5 }, { plugin_ref = "round-robin-picker" }]
+        "#,
+    ))
+    .unwrap();
+    assert_eq!(
+        p.describe(),
+        "rr: healthy-filter → model-filter → q×2.5 → round-robin-picker"
+    );
+}
+
+#[test]
+fn validation_names_the_field() {
+    let cases = [
+        ("[[plugins]]\ntype = \"nope\"\n", "plugins.nope.type"),
+        (
+            "[[plugins]]\ntype = \"queue-scorer\"\n[[plugins]]\ntype = \"queue-scorer\"\n",
+            "plugins[1].name",
+        ),
+        (
+            "[[scheduling_profiles]]\nname = \"a\"\nplugins = [{ plugin_ref = \"missing\", weight = 1 }]\n",
+            "scheduling_profiles[0].plugins[0].plugin_ref",
+        ),
+        (
+            "[[plugins]]\ntype = \"random-picker\"\n[[scheduling_profiles]]\nname = \"a\"\nplugins = [{ plugin_ref = \"random-picker\", weight = 1 }]\n",
+            "scheduling_profiles[0].plugins[0].weight",
+        ),
+        (
+            "[[plugins]]\ntype = \"queue-scorer\"\n[[scheduling_profiles]]\nname = \"a\"\nplugins = [{ plugin_ref = \"queue-scorer\", weight = -1 }]\n",
+            "scheduling_profiles[0].plugins[0].weight",
+        ),
+        (
+            "[[plugins]]\ntype = \"random-picker\"\n[[plugins]]\ntype = \"max-score-picker\"\n[[scheduling_profiles]]\nname = \"a\"\nplugins = [{ plugin_ref = \"random-picker\" }, { plugin_ref = \"max-score-picker\" }]\n",
+            "at most one picker",
+        ),
+        (
+            "profile = \"b\"\n[[plugins]]\ntype = \"queue-scorer\"\n[[scheduling_profiles]]\nname = \"a\"\nplugins = [{ plugin_ref = \"queue-scorer\" }]\n",
+            "`profile`",
+        ),
+        (
+            "[[plugins]]\ntype = \"queue-scorer\"\n[plugins.parameters]\nx = 1\n",
+            "plugins.queue-scorer.parameters",
+        ),
+    ];
+    for (text, needle) in cases {
+        let e = err(text);
+        assert!(e.contains(needle), "{text}\n→ {e}");
+    }
+}
+
+#[test]
+fn weighted_sum_clamps_and_picks_exact_winner() {
+    // queue×2 + kv×1: backend 0: q=0 → 1, kv 0.9 → 0.1 ⇒ 2.1; backend 1: q=10 → 0, kv 0 → 1 ⇒ 1.0.
+    let p = build_active(&config(
+        r#"
+        [[plugins]]
+        type = "queue-scorer"
+        [[plugins]]
+        type = "kv-cache-utilization-scorer"
+        [[scheduling_profiles]]
+        name = "a"
+        plugins = [{ plugin_ref = "queue-scorer", weight = 2 }, { plugin_ref = "kv-cache-utilization-scorer", weight = 1 }]
+        "#,
+    ))
+    .unwrap();
+    let b = backends(2);
+    let view = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
+    for _ in 0..20 {
+        let mut c = vec![
+            Candidate::with_metrics(&b[0], Some(load(Some(0.0), Some(0.9))), 0),
+            Candidate::with_metrics(&b[1], Some(load(Some(10.0), Some(0.0))), 0),
+        ];
+        assert_eq!(p.run(&view, &mut c).unwrap().index, 0);
+    }
+}
+
+#[test]
+fn unhealthy_and_wrong_model_are_filtered() {
+    let p = build_active(&config("")).unwrap();
+    let b = backends(2);
+    let view =
+        RequestView::parse(Operation::Completions, br#"{"model":"m","prompt":"x"}"#).unwrap();
+    // Candidate::with_metrics marks healthy but serves no models: the model filter empties the set.
+    let mut c = vec![Candidate::with_metrics(
+        &b[0],
+        Some(LoadMetrics::default()),
+        0,
+    )];
+    assert!(p.run(&view, &mut c).is_none());
+    let mut state = (*b[1].state()).clone();
+    state.healthy = false;
+    let mut unhealthy = Candidate::with_metrics(&b[1], None, 0);
+    unhealthy.state = std::sync::Arc::new(state);
+    let mut c = vec![unhealthy];
+    let any_model = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
+    assert!(p.run(&any_model, &mut c).is_none());
+}

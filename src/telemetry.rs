@@ -1,0 +1,103 @@
+//! inferlb's own Prometheus metrics and logging set-up.
+//!
+//! Metric names live here as constants so the README's metrics reference can be checked
+//! against one list. The recorder is process-global (the `metrics` facade is), so it is
+//! installed once and every router in the process — tests start several — shares it.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::config::LogFormat;
+
+pub const REQUESTS_TOTAL: &str = "inferlb_requests_total";
+pub const REQUEST_DURATION: &str = "inferlb_request_duration_seconds";
+pub const TIME_TO_FIRST_BYTE: &str = "inferlb_time_to_first_byte_seconds";
+pub const SCHEDULING_DURATION: &str = "inferlb_scheduling_duration_seconds";
+pub const UPSTREAM_ATTEMPT_FAILURES: &str = "inferlb_upstream_attempt_failures_total";
+pub const CLIENT_DISCONNECTS: &str = "inferlb_client_disconnects_total";
+pub const BACKEND_HEALTHY: &str = "inferlb_backend_healthy";
+pub const BACKEND_INFLIGHT: &str = "inferlb_backend_inflight";
+pub const BACKEND_KV_USAGE: &str = "inferlb_backend_kv_cache_usage_ratio";
+pub const BACKEND_WAITING: &str = "inferlb_backend_waiting_requests";
+pub const BACKEND_RUNNING: &str = "inferlb_backend_running_requests";
+pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
+pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_seconds";
+pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
+pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
+
+/// Every series inferlb exports, with its help text (also the README's reference).
+pub const DESCRIPTIONS: &[(&str, &str)] = &[
+    (REQUESTS_TOTAL, "Requests answered, by backend, model and HTTP status code (backend=\"none\" when none was reached)."),
+    (REQUEST_DURATION, "Time from receiving a request to the end of its response body, by backend and model."),
+    (TIME_TO_FIRST_BYTE, "Time from receiving a request to the first response body byte from the backend, by backend and model."),
+    (SCHEDULING_DURATION, "Time spent choosing a backend for one request."),
+    (UPSTREAM_ATTEMPT_FAILURES, "Forwarding attempts that failed before a response, by backend and reason."),
+    (CLIENT_DISCONNECTS, "Responses abandoned by the client before their body ended, by backend."),
+    (BACKEND_HEALTHY, "1 when the backend is eligible for scheduling, 0 when it is ejected."),
+    (BACKEND_INFLIGHT, "Requests inferlb has in flight to the backend."),
+    (BACKEND_KV_USAGE, "The backend's KV-cache usage (0-1) from its last scrape."),
+    (BACKEND_WAITING, "Requests waiting in the backend's queue at its last scrape."),
+    (BACKEND_RUNNING, "Requests running on the backend at its last scrape."),
+    (BACKEND_SCRAPE_ERRORS, "Failed or unusable /metrics scrapes, by backend and kind (connect, status, timeout, parse)."),
+    (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
+    (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
+    (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
+];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Install the global recorder once; later calls return the same handle.
+pub fn prometheus() -> Option<PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let latency = [
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 120.0, 300.0,
+            ];
+            let micro = [
+                0.000_001,
+                0.000_002_5,
+                0.000_005,
+                0.000_01,
+                0.000_025,
+                0.000_05,
+                0.000_1,
+                0.000_25,
+                0.000_5,
+                0.001,
+                0.005,
+            ];
+            let ratio = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(SCHEDULING_DURATION.into()), &micro)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(PREFIX_MATCH_RATIO.into()), &ratio)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)
+                })
+                .ok()?;
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            for (name, help) in DESCRIPTIONS {
+                metrics::describe_counter!(*name, *help);
+            }
+            Some(handle)
+        })
+        .clone()
+}
+
+/// Set up `tracing` output; a second call (tests) is a no-op.
+pub fn init_logging(format: LogFormat, filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
