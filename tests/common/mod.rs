@@ -1,0 +1,319 @@
+//! Test harness: the real router and small axum fake backends, all on 127.0.0.1 port 0.
+//!
+//! A [`FakeBackend`] serves `/v1/models`, a `/metrics` page whose values the test sets, and
+//! completions that name the backend in their body. Tests wait on observable events (a scrape
+//! counter on a watch channel, a gate for streaming) instead of sleeping.
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use inferlb::config::{BackendConfig, Config};
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch, Notify};
+
+/// What a fake backend's `/metrics` reports.
+#[derive(Debug, Clone)]
+pub struct FakeMetrics {
+    pub waiting: f64,
+    pub running: f64,
+    pub kv: f64,
+    /// Non-200 makes the scrape fail.
+    pub status: u16,
+}
+
+impl Default for FakeMetrics {
+    fn default() -> Self {
+        FakeMetrics {
+            waiting: 0.0,
+            running: 0.0,
+            kv: 0.0,
+            status: 200,
+        }
+    }
+}
+
+pub struct FakeState {
+    pub name: String,
+    pub models: Vec<String>,
+    pub metrics: Mutex<FakeMetrics>,
+    scrapes: watch::Sender<u64>,
+    /// Streaming responses send their first chunk, then wait here before the rest.
+    pub gate: Notify,
+    pub hold_streams: std::sync::atomic::AtomicBool,
+    pub last_headers: Mutex<Option<HeaderMap>>,
+    pub last_body: Mutex<Option<Bytes>>,
+    pub completions: std::sync::atomic::AtomicU64,
+}
+
+pub struct FakeBackend {
+    pub addr: SocketAddr,
+    pub state: Arc<FakeState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl FakeBackend {
+    pub async fn start(name: &str, models: &[&str]) -> FakeBackend {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve(listener, name, models).await
+    }
+
+    async fn serve(listener: TcpListener, name: &str, models: &[&str]) -> FakeBackend {
+        let addr = listener.local_addr().unwrap();
+        let (scrapes, _) = watch::channel(0);
+        let state = Arc::new(FakeState {
+            name: name.to_owned(),
+            models: models.iter().map(|m| (*m).to_owned()).collect(),
+            metrics: Mutex::new(FakeMetrics::default()),
+            scrapes,
+            gate: Notify::new(),
+            hold_streams: false.into(),
+            last_headers: Mutex::new(None),
+            last_body: Mutex::new(None),
+            completions: 0.into(),
+        });
+        let app = Router::new()
+            .route("/metrics", get(metrics))
+            .route("/v1/models", get(list_models))
+            .route("/v1/chat/completions", post(complete))
+            .route("/v1/completions", post(complete))
+            .route("/v1/embeddings", post(complete))
+            .with_state(Arc::clone(&state));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+        FakeBackend {
+            addr,
+            state,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn set_metrics(&self, f: impl FnOnce(&mut FakeMetrics)) {
+        f(&mut self.state.metrics.lock().unwrap());
+    }
+
+    /// Wait until `n` more scrapes have been answered (bounded).
+    pub async fn scrapes(&self, n: u64) {
+        let mut rx = self.state.scrapes.subscribe();
+        let target = *rx.borrow() + n;
+        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|c| *c >= target))
+            .await
+            .expect("scrapes did not happen in time")
+            .unwrap();
+    }
+
+    /// Stop serving and close the port.
+    pub async fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+async fn metrics(State(s): State<Arc<FakeState>>) -> Response {
+    let m = s.metrics.lock().unwrap().clone();
+    s.scrapes.send_modify(|c| *c += 1);
+    if m.status != 200 {
+        return StatusCode::from_u16(m.status).unwrap().into_response();
+    }
+    format!(
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {}\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {}\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {}\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"1000\"}} 1.0\n",
+        m.waiting, m.running, m.kv
+    )
+    .into_response()
+}
+
+async fn list_models(State(s): State<Arc<FakeState>>) -> Response {
+    let data: Vec<_> = s
+        .models
+        .iter()
+        .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "vllm", "root": m}))
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+async fn complete(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Bytes) -> Response {
+    s.completions.fetch_add(1, Ordering::Relaxed);
+    *s.last_headers.lock().unwrap() = Some(headers);
+    let stream = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("stream").and_then(|s| s.as_bool()))
+        .unwrap_or(false);
+    *s.last_body.lock().unwrap() = Some(body);
+    if !stream {
+        return Json(serde_json::json!({"object": "chat.completion", "served_by": s.name}))
+            .into_response();
+    }
+    let state = Arc::clone(&s);
+    let chunks = async_stream(state);
+    (
+        [("content-type", "text/event-stream")],
+        axum::body::Body::from_stream(chunks),
+    )
+        .into_response()
+}
+
+fn async_stream(
+    s: Arc<FakeState>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        let _ = tx
+            .send(Ok(Bytes::from(format!(
+                "data: {{\"first\":\"{}\"}}\n\n",
+                s.name
+            ))))
+            .await;
+        if s.hold_streams.load(Ordering::Relaxed) {
+            s.gate.notified().await;
+        }
+        let _ = tx
+            .send(Ok(Bytes::from_static(b"data: {\"second\":true}\n\n")))
+            .await;
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+}
+
+/// A running router.
+pub struct TestRouter {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<Result<(), inferlb::RunError>>,
+}
+
+impl TestRouter {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+    }
+}
+
+/// A config for tests: fast polling, given backends.
+pub fn config(backends: &[&FakeBackend]) -> Config {
+    let mut c = Config::default();
+    c.poller.interval_ms = 20;
+    c.poller.stale_after_ms = 5_000;
+    c.backends = backends
+        .iter()
+        .map(|b| BackendConfig::from_url(b.url()))
+        .collect();
+    c
+}
+
+pub async fn start_router(config: Config) -> TestRouter {
+    let main = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = main.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(inferlb::run(
+        config,
+        inferlb::Listeners { main, admin: None },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    TestRouter {
+        addr,
+        stop: Some(stop),
+        task,
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+/// POST a chat request; returns (status, backend header, body json).
+pub async fn chat(
+    router: &TestRouter,
+    model: &str,
+    content: &str,
+) -> (u16, Option<String>, serde_json::Value) {
+    let body =
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    let resp = client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let backend = resp
+        .headers()
+        .get("x-inferlb-backend")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let json = resp.json().await.unwrap_or(serde_json::Value::Null);
+    (status, backend, json)
+}
+
+/// Wait until the router's admin view satisfies `pred`, re-checking after each scrape of
+/// `watch` (the poller's own rhythm), for at most 200 scrapes.
+pub async fn until_backends(
+    router: &TestRouter,
+    watch: &FakeBackend,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) {
+    for _ in 0..200 {
+        let v: serde_json::Value = client()
+            .get(router.url("/admin/backends"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if pred(&v) {
+            return;
+        }
+        watch.scrapes(1).await;
+    }
+    panic!("the router never reached the expected backend state");
+}
+
+/// `healthy` of the backend at `url` in an `/admin/backends` answer.
+pub fn healthy(v: &serde_json::Value, url: &str) -> bool {
+    v["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["url"] == url && b["healthy"] == true)
+}
