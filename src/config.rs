@@ -411,3 +411,42 @@ mod tests {
             .contains("backend_header"));
     }
 }
+
+#[cfg(test)]
+mod shipped {
+    #![allow(clippy::unwrap_used)]
+
+    #[test]
+    fn shipped_config_toml_is_valid_and_matches_defaults() {
+        let text = include_str!("../config.toml");
+        let c = super::Config::from_toml(text, "config.toml").unwrap();
+        c.validate().unwrap();
+        crate::scheduling::profile::build_active(&c).unwrap();
+        let d = super::Config::default();
+        assert_eq!(c.listen, d.listen);
+        assert_eq!(c.max_body_bytes, d.max_body_bytes);
+        assert_eq!(c.poller.interval_ms, d.poller.interval_ms);
+        assert_eq!(c.poller.timeout_ms, d.poller.timeout_ms);
+        assert_eq!(c.poller.stale_after_ms, d.poller.stale_after_ms);
+        assert_eq!(c.poller.models_interval_ms, d.poller.models_interval_ms);
+        assert_eq!(c.poller.unhealthy_after, d.poller.unhealthy_after);
+        assert_eq!(c.poller.healthy_after, d.poller.healthy_after);
+        assert_eq!(c.forward.connect_timeout_ms, d.forward.connect_timeout_ms);
+        assert_eq!(c.forward.response_timeout_ms, d.forward.response_timeout_ms);
+        assert_eq!(c.forward.max_attempts, d.forward.max_attempts);
+        assert_eq!(
+            c.forward.pool_max_idle_per_backend,
+            d.forward.pool_max_idle_per_backend
+        );
+        assert_eq!(
+            c.forward.pool_idle_timeout_ms,
+            d.forward.pool_idle_timeout_ms
+        );
+        assert_eq!(
+            c.forward.forward_client_authorization,
+            d.forward.forward_client_authorization
+        );
+        assert_eq!(c.backend_header, d.backend_header);
+        assert_eq!(c.session_header, d.session_header);
+    }
+}

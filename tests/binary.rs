@@ -1,0 +1,121 @@
+//! Drives the real `inferlb` binary: flags, config errors, and serving a request.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::FakeBackend;
+
+const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
+
+#[test]
+fn help_explains_flags() {
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for flag in [
+        "--config",
+        "--listen",
+        "--backend",
+        "--log-format",
+        "--admin-listen",
+        "--check",
+    ] {
+        assert!(text.contains(flag), "{flag} missing from --help:\n{text}");
+    }
+}
+
+#[test]
+fn shipped_config_checks() {
+    let out = Command::new(BIN)
+        .args(["--config", "config.toml", "--check"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn config_errors_name_the_field_and_exit_2() {
+    let dir = std::env::temp_dir().join(format!("inferlb-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("listen = \"127.0.0.1:1\"\nlisen = 3\n", "lisen"),
+        ("[[backends]]\nurl = \"http://h:1/x\"\n", "backends[0].url"),
+        (
+            "[[backends]]\nurl = \"http://h:1\"\n[[scheduling_profiles]]\nname = \"p\"\nplugins = [{ plugin_ref = \"ghost\", weight = 1 }]\n",
+            "plugin_ref",
+        ),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let path = dir.join(format!("c{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = Command::new(BIN)
+            .arg("--config")
+            .arg(&path)
+            .arg("--check")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{needle} not in: {err}");
+    }
+    let out = Command::new(BIN).args(["--check"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "no backends is an error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("backends"));
+}
+
+#[tokio::test]
+async fn binary_serves_requests_with_cli_overrides() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    let mut child = Command::new(BIN)
+        .args([
+            "--config",
+            "config.toml",
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    // The JSON log line announcing the listener carries the bound address.
+    let addr = tokio::task::spawn_blocking(move || {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if let Some(addr) = v["fields"]["main_addr"].as_str() {
+                return addr.to_owned();
+            }
+        }
+        panic!("the binary never announced its address");
+    })
+    .await
+    .unwrap();
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-inferlb-backend"], backend.url().as_str());
+    // SIGTERM drains and exits 0.
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
