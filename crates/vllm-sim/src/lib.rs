@@ -1,1 +1,276 @@
-//! vLLM simulator
+//! vllm-sim: a vLLM stand-in whose behaviour under load makes routing decisions matter.
+//!
+//! No GPU is needed: prompts that hit the prefix cache start faster, a server whose KV cache
+//! is full queues requests, a busy batch decodes slower — all from a simulated engine that
+//! speaks vLLM's OpenAI API and exposes vLLM's Prometheus metrics.
+//!
+//! # Layout
+//!
+//! In the order a request meets them:
+//!
+//! * [`server`] — the accept loop; it can close and re-bind its port for the connection faults.
+//! * [`api`] — axum routes: OpenAI generation (whole and SSE), models, tokenizer, metrics, the
+//!   probes SGLang's and vLLM's routers send to workers, and `/sim/*` admin endpoints.
+//! * [`tokenizer`] — the deterministic ~4-bytes-per-token tokenizer and the chat template.
+//! * [`engine`] — one task per server running the step loop in simulated time.
+//! * [`scheduler`] — continuous batching, chunked prefill, FIFO admission, preemption.
+//! * [`kv_cache`] — the block pool with reference counts, chain hashes and LRU prefix caching.
+//! * [`cost`] — the step-time model, calibrated to Llama-3.1-8B on one H100.
+//! * [`metrics`] — counters and histograms rendered exactly as vLLM 0.32's `/metrics`.
+//! * [`faults`] — runtime-switchable failures (500s, slow/hung/garbage metrics, stalls, cut
+//!   streams, refused connections).
+//! * [`config`] — every flag, shared by the library and the `vllm-sim` binary.
+//!
+//! # Use from tests
+//!
+//! ```no_run
+//! # async fn demo() -> std::io::Result<()> {
+//! let sim = vllm_sim::spawn(vllm_sim::SimConfig { time_scale: 50.0, ..Default::default() }).await?;
+//! let url = format!("{}/v1/completions", sim.url());
+//! // ... send requests to `url`, read `sim.stats()` or `/metrics` ...
+//! sim.faults().set_fail_rate(1.0); // every completion now fails with 500
+//! sim.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod api;
+pub mod config;
+pub mod cost;
+pub mod engine;
+pub mod faults;
+pub mod kv_cache;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;
+pub mod tokenizer;
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+pub use config::{LoraModule, SimConfig};
+pub use cost::CostModel;
+pub use engine::Stats;
+pub use faults::{FaultPatch, FaultSnapshot, Faults};
+
+use api::AppState;
+use engine::{EngineConfig, Shared};
+use metrics::PageInfo;
+use scheduler::Limits;
+
+/// A simulator built but not yet serving.
+struct Sim {
+    state: AppState,
+    engine: Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+impl Sim {
+    fn build(config: SimConfig, addr: SocketAddr) -> io::Result<Self> {
+        config
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let names = config.model_names();
+        let faults = Faults::new();
+        faults.set_fail_rate(config.fail_rate);
+        faults.set_metrics_delay(Duration::from_millis(config.metrics_delay_ms));
+        faults.set_metrics_hang(config.metrics_hang);
+        faults.set_metrics_garbage(config.metrics_garbage);
+        faults.set_first_token_stall(Duration::from_millis(config.first_token_stall_ms));
+        faults.set_cut_stream_after(config.cut_stream_after.map(u64::from));
+        faults.set_refuse_after(config.refuse_after);
+        // The caller's listener is bound already: connects succeed from now on.
+        faults.set_listening(true);
+        let time_scale = if config.instant {
+            1.0
+        } else {
+            config.time_scale
+        };
+        let (engine_handle, engine) = engine::start(EngineConfig {
+            limits: Limits {
+                block_size: config.block_size,
+                max_num_seqs: config.max_num_seqs,
+                max_num_batched_tokens: config.max_num_batched_tokens,
+            },
+            num_blocks: config.num_gpu_blocks,
+            cost: config.cost_model(),
+            time_scale,
+            max_model_len: config.max_model_len,
+            lora_names: config.lora_modules.iter().map(|l| l.name.clone()).collect(),
+        });
+        let page_info = PageInfo {
+            model_name: names[0].clone(),
+            block_size: config.block_size,
+            num_gpu_blocks: config.num_gpu_blocks,
+            max_model_len: config.max_model_len,
+            max_loras: config.max_loras,
+            lora_enabled: !config.lora_modules.is_empty(),
+            gpu_cache_usage_metric: config.gpu_cache_usage_metric,
+            created: metrics::unix_now(),
+        };
+        let state = AppState::new(api::Inner {
+            config,
+            names,
+            engine: engine_handle,
+            faults,
+            page_info,
+            addr,
+        });
+        Ok(Self {
+            state,
+            engine: Box::pin(engine),
+        })
+    }
+
+    async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> io::Result<()> {
+        let engine = AbortOnDrop(tokio::spawn(self.engine));
+        let (admin_stop, admin_rx) = watch::channel(());
+        let _admin = match self.state.config.admin_port {
+            Some(port) => {
+                let admin = TcpListener::bind((self.state.config.host.as_str(), port)).await?;
+                let mut rx = admin_rx.clone();
+                let app = api::admin_router(self.state.clone());
+                // The admin port has its own (never-set) faults: it must stay reachable.
+                let task = server::accept_loop(admin, app, Faults::new(), async move {
+                    let _ = rx.changed().await;
+                });
+                Some(AbortOnDrop(tokio::spawn(async move {
+                    let _ = task.await;
+                })))
+            }
+            None => None,
+        };
+        let app = api::router(self.state.clone());
+        let result = server::accept_loop(listener, app, self.state.faults.clone(), shutdown).await;
+        drop(admin_stop);
+        drop(engine);
+        result
+    }
+}
+
+/// Aborts a task when dropped, so a stopped server leaves no engine behind.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serves one simulator on `listener` until `shutdown` completes. With `config.admin_port`
+/// set, the admin routes are also served on that port of `config.host`.
+pub async fn serve(
+    listener: TcpListener,
+    config: SimConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let sim = Sim::build(config, listener.local_addr()?)?;
+    sim.run(listener, shutdown).await
+}
+
+/// A simulator running in a background task; it stops when dropped or on [`shutdown`].
+///
+/// [`shutdown`]: SimHandle::shutdown
+#[derive(Debug)]
+pub struct SimHandle {
+    addr: SocketAddr,
+    state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<io::Result<()>>>,
+}
+
+/// Starts a simulator on 127.0.0.1:0 (`config.host` and `config.port` are ignored).
+pub async fn spawn(config: SimConfig) -> io::Result<SimHandle> {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let addr = listener.local_addr()?;
+    let sim = Sim::build(config, addr)?;
+    let state = sim.state.clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(sim.run(listener, async move {
+        let _ = stopped.await;
+    }));
+    Ok(SimHandle {
+        addr,
+        state,
+        stop: Some(stop),
+        task: Some(task),
+    })
+}
+
+/// Starts `n` simulators (a "fleet") with the same configuration, each on its own port.
+pub async fn spawn_fleet(n: usize, config: SimConfig) -> io::Result<Vec<SimHandle>> {
+    let mut fleet = Vec::with_capacity(n);
+    for _ in 0..n {
+        fleet.push(spawn(config.clone()).await?);
+    }
+    Ok(fleet)
+}
+
+impl SimHandle {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT`
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Runtime fault control.
+    pub fn faults(&self) -> &Faults {
+        &self.state.faults
+    }
+
+    /// The engine's counters and gauges now.
+    pub fn stats(&self) -> Stats {
+        self.state.engine.shared.stats()
+    }
+
+    /// Waits (at most `timeout`) until `pred` holds on the engine's stats; returns the last
+    /// stats seen and whether it held. Woken by the engine after each change, no polling.
+    pub async fn wait_for_stats(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&Stats) -> bool,
+    ) -> (Stats, bool) {
+        self.state.engine.shared.wait_for(timeout, pred).await
+    }
+
+    /// The `/metrics` page as it would be served now (without metrics faults).
+    pub fn metrics_text(&self) -> String {
+        let m = self.state.engine.shared.metrics();
+        metrics::render(&m, &self.state.page_info)
+    }
+
+    /// Shared engine state, for advanced observers.
+    pub fn shared(&self) -> &std::sync::Arc<Shared> {
+        &self.state.engine.shared
+    }
+
+    /// Stops the server and waits until it has let go of its port.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! Generation endpoints: `/v1/completions` and `/v1/chat/completions`, whole or streamed (SSE).
+//!
+//! A request is validated ([`super::openai`]), submitted to the engine, and answered from the
+//! engine's per-request token channel. Output text is the tokenizer's filler, one piece per
+//! token, so `completion_tokens == max_tokens` and every content chunk carries one token.
+//!
+//! Streams look like vLLM's: `data: {json}\n\n` chunks; chat opens with a chunk whose delta is
+//! `{"role":"assistant","content":""}` (sent with the first token, as vLLM does); the last
+//! content chunk carries `finish_reason` (and `stop_reason: null`); with
+//! `stream_options.include_usage` a chunk with `"choices":[]` and `usage` follows; then
+//! `data: [DONE]\n\n`.
+//!
+//! The [`RequestGuard`] lives in the handler future (whole responses) or in the body stream
+//! (SSE): when the client disconnects hyper drops it, and the engine aborts the request.
+
+use std::io;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::error::{parse_json, ApiError};
+use super::openai::{self, Prepared};
+use super::AppState;
+use crate::engine::{RequestGuard, Submission};
+use crate::faults::Admission;
+use crate::scheduler::TokenEvent;
+use crate::tokenizer::{filler_piece, filler_text};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Everything needed to write one response.
+struct Ctx {
+    kind: Kind,
+    id: String,
+    created: u64,
+    /// JSON-encoded model name (with quotes), written as-is into chunks.
+    model_json: String,
+    model: String,
+    prompt_tokens: u32,
+    details: bool,
+    include_usage: bool,
+    stall: Duration,
+    cut: Option<u64>,
+}
+
+pub async fn completions(State(st): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    admit(&st)?;
+    let req = parse_json(&body)?;
+    let p = openai::prepare_completion(&st, req)?;
+    run(&st, p, Kind::Completion).await
+}
+
+pub async fn chat(State(st): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    admit(&st)?;
+    let req = parse_json(&body)?;
+    let p = openai::prepare_chat(&st, req)?;
+    run(&st, p, Kind::Chat).await
+}
+
+fn admit(st: &AppState) -> Result<(), ApiError> {
+    match st.faults.admit_request() {
+        Admission::Serve => Ok(()),
+        Admission::Refuse => Err(ApiError::Unavailable(
+            "server is refusing connections".into(),
+        )),
+    }
+}
+
+async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiError> {
+    if st.faults.should_fail() {
+        return Err(ApiError::Internal(
+            "Simulated internal error (fail_rate fault).".into(),
+        ));
+    }
+    let prefix = match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let ctx = Ctx {
+        kind,
+        id: format!("{prefix}-{:032x}", fastrand::u128(..)),
+        created: crate::metrics::unix_now() as u64,
+        model_json: serde_json::Value::from(p.model.name.as_str()).to_string(),
+        model: p.model.name.clone(),
+        prompt_tokens: p.tokens.len() as u32,
+        details: st.config.enable_prompt_tokens_details,
+        include_usage: p.include_usage,
+        stall: st.faults.first_token_stall(),
+        cut: st.faults.cut_stream_after(),
+    };
+    let hash_seed = p.model.hash_seed();
+    let sub = Submission {
+        tokens: p.tokens,
+        max_tokens: p.max_tokens,
+        hash_seed,
+        lora: p.model.lora,
+    };
+    let (guard, rx) = st.engine.submit(sub);
+    if p.stream {
+        Ok(sse(ctx, guard, rx))
+    } else {
+        whole(ctx, guard, rx).await
+    }
+}
+
+fn usage_json(ctx: &Ctx, completion: u32, cached: u32) -> serde_json::Value {
+    let details = if ctx.details {
+        json!({ "cached_tokens": cached })
+    } else {
+        serde_json::Value::Null
+    };
+    json!({
+        "prompt_tokens": ctx.prompt_tokens,
+        "total_tokens": ctx.prompt_tokens + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": details,
+    })
+}
+
+/// A non-streaming answer, once the last token is out.
+async fn whole(
+    ctx: Ctx,
+    mut guard: RequestGuard,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+) -> Result<Response, ApiError> {
+    let mut n = 0u32;
+    let (finish, cached) = loop {
+        let Some(ev) = rx.recv().await else {
+            return Err(ApiError::Internal("engine stopped".into()));
+        };
+        if n == 0 && !ctx.stall.is_zero() {
+            tokio::time::sleep(ctx.stall).await;
+        }
+        n += 1;
+        if ctx.cut.is_some_and(|c| u64::from(n) >= c) {
+            // Guard drops here: the engine aborts the request.
+            return Ok(truncated_body());
+        }
+        if let Some(f) = ev.finish {
+            break (f, ev.cached_tokens);
+        }
+    };
+    guard.finished();
+    let text = filler_text(n);
+    let usage = usage_json(&ctx, n, cached);
+    let body = match ctx.kind {
+        Kind::Completion => json!({
+            "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+            "choices": [{
+                "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str(),
+                "stop_reason": null, "prompt_logprobs": null,
+            }],
+            "usage": usage,
+            "kv_transfer_params": null,
+        }),
+        Kind::Chat => json!({
+            "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+            "choices": [{
+                "index": 0,
+                "message": {
+                    "role": "assistant", "content": text, "refusal": null, "annotations": null,
+                    "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null,
+                },
+                "logprobs": null, "finish_reason": finish.as_str(), "stop_reason": null,
+            }],
+            "service_tier": null, "system_fingerprint": null,
+            "usage": usage,
+            "prompt_logprobs": null, "kv_transfer_params": null,
+        }),
+    };
+    Ok(axum::Json(body).into_response())
+}
+
+/// Half a JSON body, then a broken connection (the `cut_stream_after` fault).
+fn truncated_body() -> Response {
+    let parts: Vec<Result<Bytes, io::Error>> = vec![
+        Ok(Bytes::from_static(
+            b"{\"id\":\"cmpl-cut\",\"object\":\"text_comp",
+        )),
+        Err(io::Error::other("cut_stream_after fault")),
+    ];
+    let mut resp = Response::new(Body::from_stream(stream::iter(parts)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+enum Phase {
+    Tokens,
+    Cut,
+    End,
+}
+
+struct SseState {
+    ctx: Ctx,
+    guard: RequestGuard,
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    sent: u64,
+    phase: Phase,
+    /// `data: {...,"choices":[{"index":0,` — the shared head of every chunk.
+    head: String,
+}
+
+fn sse(ctx: Ctx, guard: RequestGuard, rx: mpsc::UnboundedReceiver<TokenEvent>) -> Response {
+    let object = match ctx.kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion.chunk",
+    };
+    let head = format!(
+        "data: {{\"id\":\"{}\",\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[",
+        ctx.id, ctx.created, ctx.model_json
+    );
+    let state = SseState {
+        ctx,
+        guard,
+        rx,
+        sent: 0,
+        phase: Phase::Tokens,
+        head,
+    };
+    let body = stream::unfold(state, |mut st| async move {
+        match st.phase {
+            Phase::End => None,
+            Phase::Cut => {
+                st.phase = Phase::End;
+                Some((Err(io::Error::other("cut_stream_after fault")), st))
+            }
+            Phase::Tokens => {
+                let Some(first) = st.rx.recv().await else {
+                    // Engine gone: end the body abruptly rather than pretend it finished.
+                    st.phase = Phase::End;
+                    return Some((Err(io::Error::other("engine stopped")), st));
+                };
+                if st.sent == 0 && !st.ctx.stall.is_zero() {
+                    tokio::time::sleep(st.ctx.stall).await;
+                }
+                let mut out = String::with_capacity(256);
+                let mut ev = Some(first);
+                // Write every token already available in one body frame (cheap for slow readers).
+                while let Some(e) = ev {
+                    if st.ctx.cut.is_some_and(|c| st.sent >= c) {
+                        st.phase = Phase::Cut;
+                        break;
+                    }
+                    write_token(&mut st, &mut out, e);
+                    if e.finish.is_some() {
+                        st.guard.finished();
+                        st.phase = Phase::End;
+                        break;
+                    }
+                    ev = st.rx.try_recv().ok();
+                }
+                if out.is_empty() {
+                    // Cut before anything was written in this frame.
+                    st.phase = Phase::End;
+                    return Some((Err(io::Error::other("cut_stream_after fault")), st));
+                }
+                Some((Ok(Bytes::from(out)), st))
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    resp
+}
+
+fn write_token(st: &mut SseState, out: &mut String, ev: TokenEvent) {
+    let kind = st.ctx.kind;
+    if kind == Kind::Chat && st.sent == 0 {
+        out.push_str(&st.head);
+        out.push_str(
+            "{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+        );
+    }
+    let text = filler_piece(ev.index);
+    let finish = match ev.finish {
+        Some(f) => format!("\"{}\",\"stop_reason\":null", f.as_str()),
+        None => "null".into(),
+    };
+    out.push_str(&st.head);
+    match kind {
+        Kind::Completion => {
+            out.push_str("{\"index\":0,\"text\":\"");
+            out.push_str(text);
+            out.push_str("\",\"logprobs\":null,\"finish_reason\":");
+            out.push_str(&finish);
+            if ev.finish.is_none() {
+                out.push_str(",\"stop_reason\":null");
+            }
+        }
+        Kind::Chat => {
+            out.push_str("{\"index\":0,\"delta\":{\"content\":\"");
+            out.push_str(text);
+            out.push_str("\"},\"logprobs\":null,\"finish_reason\":");
+            out.push_str(&finish);
+        }
+    }
+    out.push_str("}]}\n\n");
+    st.sent += 1;
+    if ev.finish.is_some() {
+        if st.ctx.include_usage {
+            let usage = usage_json(&st.ctx, st.sent as u32, ev.cached_tokens);
+            out.push_str(&st.head);
+            out.push_str("],\"usage\":");
+            out.push_str(&usage.to_string());
+            out.push_str("}\n\n");
+        }
+        out.push_str("data: [DONE]\n\n");
+    }
+}

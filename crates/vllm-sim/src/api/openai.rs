@@ -1,0 +1,331 @@
+//! OpenAI request bodies: parsing, model resolution, tokenising and vLLM's validation rules.
+//!
+//! A completion or chat body becomes a [`Prepared`] request: prompt tokens, output length and
+//! streaming options. Rules (vLLM's where it has one):
+//!
+//! * `model` may be omitted (the primary served name is used); an unknown name is a 404; a
+//!   LoRA adapter's name selects that adapter (its blocks never match the base model's).
+//! * `prompt` (completions): a string, a one-element array of strings, an array of token ids,
+//!   or a one-element array of token-id arrays. Text gets a BOS token in front.
+//! * `messages` (chat): rendered through the fixed chat template, then tokenised.
+//! * `n` must be 1. `max_tokens` (or chat's `max_completion_tokens`) must be ≥ 1; the default
+//!   is 16 for completions and, for chat, the rest of the context capped at 256.
+//! * Prompt + output must fit `--max-model-len`, and must fit the KV cache at all.
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::tokenizer::{self, ChatMessage};
+
+/// Default output length of `/v1/completions` (OpenAI's legacy default, as vLLM).
+pub const DEFAULT_COMPLETION_TOKENS: u32 = 16;
+/// Cap of the chat default (vLLM would use the whole remaining context).
+pub const DEFAULT_CHAT_TOKENS_CAP: u32 = 256;
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Accepted; the simulator never samples an end-of-sequence token anyway.
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ImageUrl {
+    Object { url: String },
+    Plain(String),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub image_url: Option<ImageUrl>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// Which model a request addressed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelChoice {
+    /// The name to echo in responses.
+    pub name: String,
+    /// Index into the LoRA adapters, None for the base model.
+    pub lora: Option<u16>,
+}
+
+impl ModelChoice {
+    /// Seed of the block-hash chain: adapters get their own cache namespace.
+    pub fn hash_seed(&self) -> u64 {
+        match self.lora {
+            None => 0,
+            Some(_) => xxh3_64(self.name.as_bytes()),
+        }
+    }
+}
+
+/// A validated request, ready for the engine.
+#[derive(Debug)]
+pub struct Prepared {
+    pub model: ModelChoice,
+    pub tokens: Vec<u32>,
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Resolves the `model` field against the served names and adapters.
+pub fn resolve_model(st: &AppState, model: Option<&str>) -> Result<ModelChoice, ApiError> {
+    let Some(name) = model else {
+        return Ok(ModelChoice {
+            name: st.names[0].clone(),
+            lora: None,
+        });
+    };
+    if st.names.iter().any(|n| n == name) {
+        return Ok(ModelChoice {
+            name: name.into(),
+            lora: None,
+        });
+    }
+    match st.config.lora_modules.iter().position(|l| l.name == name) {
+        Some(i) => Ok(ModelChoice {
+            name: name.into(),
+            lora: Some(i as u16),
+        }),
+        None => Err(ApiError::ModelNotFound(name.into())),
+    }
+}
+
+/// Tokens of a completions `prompt`.
+pub fn prompt_tokens(prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
+    let tokens = match prompt {
+        PromptInput::Text(t) => tokenizer::tokenize_prompt(&t),
+        PromptInput::Texts(mut v) if v.len() == 1 => tokenizer::tokenize_prompt(&v.remove(0)),
+        PromptInput::Ids(ids) => ids,
+        PromptInput::IdBatches(mut v) if v.len() == 1 => v.remove(0),
+        PromptInput::Texts(v) if v.is_empty() => {
+            return Err(ApiError::BadRequest("prompt must not be empty".into()))
+        }
+        _ => {
+            return Err(ApiError::BadRequest(
+                "vllm-sim serves one prompt per request: batched prompts are not supported".into(),
+            ))
+        }
+    };
+    if tokens.is_empty() {
+        return Err(ApiError::BadRequest("prompt must not be empty".into()));
+    }
+    if let Some(bad) = tokens.iter().find(|&&t| t >= tokenizer::VOCAB_SIZE) {
+        return Err(ApiError::BadRequest(format!(
+            "Token id {bad} is out of vocabulary (size {})",
+            tokenizer::VOCAB_SIZE
+        )));
+    }
+    Ok(tokens)
+}
+
+/// Renders chat messages (content strings, text parts, image placeholders) to template text.
+pub fn render_messages(
+    messages: Vec<Message>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
+    let mut rendered = Vec::with_capacity(messages.len());
+    for m in messages {
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text, p.image_url) {
+                        ("text", Some(t), _) => s.push_str(&t),
+                        ("image_url", _, Some(ImageUrl::Object { url } | ImageUrl::Plain(url))) => {
+                            s.push_str(&tokenizer::image_placeholder(&url))
+                        }
+                        (kind, _, _) => {
+                            return Err(ApiError::BadRequest(format!(
+                                "Unsupported or malformed content part of type {kind:?}"
+                            )))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        rendered.push(ChatMessage {
+            role: m.role,
+            content,
+        });
+    }
+    Ok(tokenizer::render_chat(&rendered, add_generation_prompt))
+}
+
+fn check_n(n: Option<u32>) -> Result<(), ApiError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(n) => Err(ApiError::BadRequest(format!(
+            "vllm-sim supports only n=1, got n={n}"
+        ))),
+    }
+}
+
+/// Applies the length rules and picks the output length.
+fn finish(
+    st: &AppState,
+    model: ModelChoice,
+    tokens: Vec<u32>,
+    requested: Option<u32>,
+    default: impl FnOnce(usize) -> u32,
+    stream: Option<bool>,
+    opts: Option<StreamOptions>,
+) -> Result<Prepared, ApiError> {
+    let max_len = st.config.max_model_len;
+    let prompt_len = tokens.len();
+    if prompt_len >= max_len {
+        return Err(ApiError::BadRequest(format!(
+            "This model's maximum context length is {max_len} tokens. However, your request has \
+             {prompt_len} input tokens. Please reduce the length of the input messages."
+        )));
+    }
+    let max_tokens = match requested {
+        Some(0) => {
+            return Err(ApiError::BadRequest(
+                "max_tokens must be at least 1, got 0.".into(),
+            ))
+        }
+        Some(m) => {
+            if prompt_len + m as usize > max_len {
+                return Err(ApiError::BadRequest(format!(
+                    "This model's maximum context length is {max_len} tokens. However, you \
+                     requested {} tokens ({prompt_len} in the messages, {m} in the completion). \
+                     Please reduce the length of the messages or completion.",
+                    prompt_len + m as usize
+                )));
+            }
+            m
+        }
+        None => default(max_len - prompt_len).max(1),
+    };
+    let blocks = (prompt_len + max_tokens as usize).div_ceil(st.config.block_size);
+    if blocks > st.config.num_gpu_blocks {
+        return Err(ApiError::BadRequest(format!(
+            "The request needs {blocks} KV-cache blocks, more than the {} the cache holds.",
+            st.config.num_gpu_blocks
+        )));
+    }
+    let stream = stream.unwrap_or(false);
+    let include_usage = stream && opts.and_then(|o| o.include_usage).unwrap_or(false);
+    Ok(Prepared {
+        model,
+        tokens,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+/// Validates a `/v1/completions` body.
+pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepared, ApiError> {
+    let model = resolve_model(st, req.model.as_deref())?;
+    check_n(req.n)?;
+    let tokens = prompt_tokens(req.prompt)?;
+    let default = |room: usize| DEFAULT_COMPLETION_TOKENS.min(room as u32);
+    finish(
+        st,
+        model,
+        tokens,
+        req.max_tokens,
+        default,
+        req.stream,
+        req.stream_options,
+    )
+}
+
+/// Validates a `/v1/chat/completions` body.
+pub fn prepare_chat(st: &AppState, req: ChatRequest) -> Result<Prepared, ApiError> {
+    let model = resolve_model(st, req.model.as_deref())?;
+    check_n(req.n)?;
+    let text = render_messages(req.messages, req.add_generation_prompt.unwrap_or(true))?;
+    let tokens = tokenizer::tokenize(&text);
+    if tokens.is_empty() {
+        return Err(ApiError::BadRequest(
+            "messages render to an empty prompt".into(),
+        ));
+    }
+    let requested = req.max_completion_tokens.or(req.max_tokens);
+    let default = |room: usize| DEFAULT_CHAT_TOKENS_CAP.min(room as u32);
+    finish(
+        st,
+        model,
+        tokens,
+        requested,
+        default,
+        req.stream,
+        req.stream_options,
+    )
+}

@@ -1,0 +1,308 @@
+//! Configuration: every `vllm-sim` flag, spelled like `vllm serve` where vLLM has the flag.
+//!
+//! `SimConfig` is both the library's configuration and the binary's clap parser, so the CLI
+//! defaults and `SimConfig::default()` cannot drift apart (a unit test checks it).
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::cost::CostModel;
+
+/// Model name served when no `--model` / `--served-model-name` is given.
+pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+/// A vLLM stand-in with a faithful KV cache, prefix cache, scheduler and latency model.
+///
+/// Serves the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
+/// Prometheus `/metrics` with vLLM's metric names, the probes SGLang's and vLLM's routers send
+/// to workers, and `POST /sim/faults` to inject failures at run time.
+#[derive(Debug, Clone, PartialEq, Parser)]
+#[command(name = "vllm-sim", version, about, long_about = None)]
+pub struct SimConfig {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (with --fleet N: the first of N consecutive ports).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Model name (used as the served name when --served-model-name is not given).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// Names the model is served under; the first is the primary one shown in metrics.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Tokens per KV-cache block (vLLM: 16 on GPU, 128 on the CPU build).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Number of KV-cache blocks (also accepted as vLLM's --num-gpu-blocks-override).
+    #[arg(
+        long = "num-gpu-blocks",
+        alias = "num-gpu-blocks-override",
+        default_value_t = 2048
+    )]
+    pub num_gpu_blocks: usize,
+    /// Maximum number of sequences in a batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step (prefill is chunked to fit it).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Maximum prompt + output length of one request.
+    #[arg(long, default_value_t = 32768)]
+    pub max_model_len: usize,
+    /// LoRA adapters: `name=path` or vLLM's JSON form `{"name":..,"path":..}`.
+    #[arg(long, num_args = 1.., value_parser = parse_lora)]
+    pub lora_modules: Vec<LoraModule>,
+    /// Shown as the `max_lora` label of `vllm:lora_requests_info`.
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Simulated-clock speed-up: 10 runs ten times faster than real time, keeping all ratios.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// No latency at all: steps cost nothing (for measuring a proxy's own overhead).
+    #[arg(long)]
+    pub instant: bool,
+    /// Also expose the pre-v1 `vllm:gpu_cache_usage_perc` gauge.
+    #[arg(long)]
+    pub gpu_cache_usage_metric: bool,
+    /// Report `usage.prompt_tokens_details.cached_tokens` (vLLM's flag of the same name).
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
+    /// Cost model: fixed cost of every step, in simulated milliseconds.
+    #[arg(long, default_value_t = 6.0)]
+    pub cost_step_ms: f64,
+    /// Cost model: cost of each computed prompt token, in simulated microseconds.
+    #[arg(long, default_value_t = 80.0)]
+    pub cost_prefill_token_us: f64,
+    /// Cost model: cost of each sequence in a step, in simulated microseconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub cost_sequence_us: f64,
+    /// Cost model: cost of each context token read by attention, in simulated nanoseconds.
+    #[arg(long, default_value_t = 50.0)]
+    pub cost_context_token_ns: f64,
+    /// Fault: fraction (0–1) of completion requests answered with HTTP 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Fault: delay every /metrics answer by this many (wall-clock) milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub metrics_delay_ms: u64,
+    /// Fault: /metrics never answers.
+    #[arg(long)]
+    pub metrics_hang: bool,
+    /// Fault: /metrics answers 200 with text that is not Prometheus exposition.
+    #[arg(long)]
+    pub metrics_garbage: bool,
+    /// Fault: hold the first token of every response back for this many wall-clock ms.
+    #[arg(long, default_value_t = 0)]
+    pub first_token_stall_ms: u64,
+    /// Fault: end every response body abruptly after this many tokens (no [DONE]).
+    #[arg(long)]
+    pub cut_stream_after: Option<u32>,
+    /// Fault: after this many completion requests, close the listener (connections refused)
+    /// and drop open connections; come back with `POST /sim/faults {"refuse_connections":false}`
+    /// on the admin port.
+    #[arg(long)]
+    pub refuse_after: Option<u64>,
+    /// Serve `/sim/*` and `/health` on this extra port too, which stays up while the main port
+    /// refuses connections (with --fleet: the first of N consecutive ports).
+    #[arg(long)]
+    pub admin_port: Option<u16>,
+    /// Start N simulators on consecutive ports from --port and print their URLs.
+    #[arg(long, default_value_t = 1)]
+    pub fleet: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            model: DEFAULT_MODEL.into(),
+            served_model_name: Vec::new(),
+            block_size: 16,
+            num_gpu_blocks: 2048,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 32768,
+            lora_modules: Vec::new(),
+            max_loras: 1,
+            time_scale: 1.0,
+            instant: false,
+            gpu_cache_usage_metric: false,
+            enable_prompt_tokens_details: false,
+            cost_step_ms: 6.0,
+            cost_prefill_token_us: 80.0,
+            cost_sequence_us: 60.0,
+            cost_context_token_ns: 50.0,
+            fail_rate: 0.0,
+            metrics_delay_ms: 0,
+            metrics_hang: false,
+            metrics_garbage: false,
+            first_token_stall_ms: 0,
+            cut_stream_after: None,
+            refuse_after: None,
+            admin_port: None,
+            fleet: 1,
+        }
+    }
+}
+
+/// A LoRA adapter served on top of the base model.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: String,
+    #[serde(default)]
+    pub base_model_name: Option<String>,
+}
+
+fn parse_lora(s: &str) -> Result<LoraModule, String> {
+    if s.trim_start().starts_with('{') {
+        return serde_json::from_str(s).map_err(|e| format!("invalid LoRA JSON: {e}"));
+    }
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok(LoraModule {
+            name: name.into(),
+            path: path.into(),
+            base_model_name: None,
+        }),
+        _ => Err(format!("expected name=path, got {s:?}")),
+    }
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    #[error("--time-scale must be a positive finite number, got {0}")]
+    TimeScale(f64),
+    #[error("--fail-rate must be within 0..=1, got {0}")]
+    FailRate(f64),
+    #[error("cost coefficients must be finite and non-negative")]
+    Cost,
+}
+
+impl SimConfig {
+    /// Checks what would make the engine misbehave.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (v, name) in [
+            (self.block_size, "--block-size"),
+            (self.num_gpu_blocks, "--num-gpu-blocks"),
+            (self.max_num_seqs, "--max-num-seqs"),
+            (self.max_num_batched_tokens, "--max-num-batched-tokens"),
+            (self.max_model_len, "--max-model-len"),
+            (self.fleet, "--fleet"),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(ConfigError::TimeScale(self.time_scale));
+        }
+        if !(0.0..=1.0).contains(&self.fail_rate) {
+            return Err(ConfigError::FailRate(self.fail_rate));
+        }
+        let costs = [
+            self.cost_step_ms,
+            self.cost_prefill_token_us,
+            self.cost_sequence_us,
+            self.cost_context_token_ns,
+        ];
+        if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
+            return Err(ConfigError::Cost);
+        }
+        Ok(())
+    }
+
+    /// Names the base model is served under; the first is the primary one.
+    pub fn model_names(&self) -> Vec<String> {
+        if self.served_model_name.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.served_model_name.clone()
+        }
+    }
+
+    /// The step-time coefficients these flags describe (zero with `--instant`).
+    pub fn cost_model(&self) -> CostModel {
+        if self.instant {
+            return CostModel::zero();
+        }
+        CostModel {
+            step_overhead: Duration::from_secs_f64(self.cost_step_ms / 1e3),
+            per_prefill_token: Duration::from_secs_f64(self.cost_prefill_token_us / 1e6),
+            per_sequence: Duration::from_secs_f64(self.cost_sequence_us / 1e6),
+            per_context_token: Duration::from_secs_f64(self.cost_context_token_ns / 1e9),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn default_matches_cli_defaults() {
+        assert_eq!(
+            SimConfig::try_parse_from(["vllm-sim"]).unwrap(),
+            SimConfig::default()
+        );
+        assert_eq!(
+            SimConfig::default().cost_model(),
+            CostModel::llama31_8b_h100()
+        );
+        SimConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn vllm_spellings_parse() {
+        let c = SimConfig::try_parse_from([
+            "vllm-sim",
+            "--served-model-name",
+            "a",
+            "b",
+            "--num-gpu-blocks-override",
+            "64",
+            "--lora-modules",
+            "sql=/p/sql",
+            r#"{"name":"chat","path":"/p/chat","base_model_name":"a"}"#,
+            "--block-size",
+            "128",
+        ])
+        .unwrap();
+        assert_eq!(c.model_names(), ["a", "b"]);
+        assert_eq!(c.num_gpu_blocks, 64);
+        assert_eq!(c.block_size, 128);
+        assert_eq!(c.lora_modules.len(), 2);
+        assert_eq!(c.lora_modules[1].base_model_name.as_deref(), Some("a"));
+        assert!(SimConfig::try_parse_from(["vllm-sim", "--lora-modules", "noequals"]).is_err());
+    }
+
+    #[test]
+    fn validation_rejects_nonsense() {
+        let bad = SimConfig {
+            time_scale: 0.0,
+            ..SimConfig::default()
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::TimeScale(0.0)));
+        let bad = SimConfig {
+            block_size: 0,
+            ..SimConfig::default()
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::Zero("--block-size")));
+        let bad = SimConfig {
+            fail_rate: 1.5,
+            ..SimConfig::default()
+        };
+        assert!(bad.validate().is_err());
+        let instant = SimConfig {
+            instant: true,
+            ..SimConfig::default()
+        };
+        assert_eq!(instant.cost_model(), CostModel::zero());
+    }
+}

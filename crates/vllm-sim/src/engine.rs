@@ -1,0 +1,409 @@
+//! Engine: the one task per server that runs the scheduler's step loop in simulated time.
+//!
+//! HTTP handlers submit requests over a channel and get a per-request channel of tokens back.
+//! The loop, per step: take new requests and aborts from the channel, let the scheduler plan
+//! the step, compute its duration with the cost model, sleep until the step's end (divided by
+//! `--time-scale`; that sleep *is* the simulation), then apply the step: tokens go out, finished
+//! requests free their blocks, metrics are updated. When there is nothing to do the task waits
+//! on its channel and burns no CPU.
+//!
+//! Step deadlines are chained (`next start = previous end`) rather than measured from the
+//! actual wake-up, so timer granularity and scheduling jitter do not accumulate: at high
+//! `--time-scale` many steps shorter than a timer tick still average out to the right rate.
+//! Timestamps in metrics are those ideal step ends, converted to simulated seconds.
+//!
+//! A client that disconnects drops its [`RequestGuard`], which sends an abort; the engine then
+//! frees the request's blocks at once and counts `finished_reason="abort"`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::cost::CostModel;
+use crate::metrics::{unix_now, Metrics, FINISHED_ABORT, FINISHED_LENGTH};
+use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
+
+/// Beyond this lag behind the chained schedule, the engine stops trying to catch up.
+const MAX_LAG: Duration = Duration::from_millis(50);
+
+/// A request as the HTTP layer hands it to the engine.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub tokens: Vec<u32>,
+    pub max_tokens: u32,
+    /// Seeds the block-hash chain: LoRA adapters never share cache with the base model.
+    pub hash_seed: u64,
+    pub lora: Option<u16>,
+}
+
+enum Msg {
+    Add(Box<Seq>),
+    Abort(u64),
+}
+
+/// Engine state that tests and the HTTP layer can read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Stats {
+    pub running: usize,
+    pub waiting: usize,
+    /// Fraction of blocks held by requests (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    pub used_blocks: usize,
+    /// Blocks whose contents are in the prefix cache (held or free).
+    pub cached_blocks: usize,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub preemptions: u64,
+    /// Requests that finished by reaching max_tokens.
+    pub finished: u64,
+    /// Requests aborted because their client went away.
+    pub aborted: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub steps: u64,
+}
+
+/// Shared between the engine task and everything that reads its state.
+#[derive(Debug)]
+pub struct Shared {
+    metrics: Mutex<Metrics>,
+    stats: Mutex<Stats>,
+    changed: watch::Sender<u64>,
+    pub time_scale: f64,
+}
+
+impl Shared {
+    pub fn metrics(&self) -> MutexGuard<'_, Metrics> {
+        self.metrics.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn stats(&self) -> Stats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notified after every engine step and every admission/abort.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Waits until `pred(stats)` holds or `timeout` passes; returns the last stats and
+    /// whether the predicate held.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&Stats) -> bool,
+    ) -> (Stats, bool) {
+        let mut rx = self.subscribe();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = self.stats();
+            if pred(&s) {
+                return (s, true);
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return (self.stats(), pred(&self.stats())),
+            }
+        }
+    }
+}
+
+/// What the HTTP layer holds to talk to the engine.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Msg>,
+    next_id: Arc<AtomicU64>,
+    pub shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Add(s) => write!(f, "Add({})", s.id),
+            Msg::Abort(id) => write!(f, "Abort({id})"),
+        }
+    }
+}
+
+/// Aborts its request in the engine when dropped, unless the request finished.
+#[derive(Debug)]
+pub struct RequestGuard {
+    id: u64,
+    tx: mpsc::UnboundedSender<Msg>,
+    finished: bool,
+}
+
+impl RequestGuard {
+    /// The request ran to completion: dropping the guard no longer aborts.
+    pub fn finished(&mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            // The engine may be gone already (shutdown); nothing left to free then.
+            let _ = self.tx.send(Msg::Abort(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Queues a request; tokens arrive on the returned receiver.
+    pub fn submit(&self, sub: Submission) -> (RequestGuard, mpsc::UnboundedReceiver<TokenEvent>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let seq = Seq::new(
+            id,
+            sub.tokens,
+            sub.max_tokens,
+            sub.hash_seed,
+            sub.lora,
+            tx,
+            Instant::now(),
+        );
+        // If the engine is gone the receiver closes at once and the handler reports an error.
+        let _ = self.tx.send(Msg::Add(Box::new(seq)));
+        (
+            RequestGuard {
+                id,
+                tx: self.tx.clone(),
+                finished: false,
+            },
+            rx,
+        )
+    }
+}
+
+/// Engine parameters.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub limits: Limits,
+    pub num_blocks: usize,
+    pub cost: CostModel,
+    pub time_scale: f64,
+    pub max_model_len: usize,
+    /// Adapter names by index, for `vllm:lora_requests_info`.
+    pub lora_names: Vec<String>,
+}
+
+/// Creates an engine; run the returned future on a task.
+pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Output = ()> + Send) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        metrics: Mutex::new(Metrics::new(cfg.max_model_len)),
+        stats: Mutex::new(Stats::default()),
+        changed: watch::channel(0).0,
+        time_scale: cfg.time_scale,
+    });
+    let handle = EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(0)),
+        shared: shared.clone(),
+    };
+    let engine = Engine {
+        sched: Scheduler::new(cfg.limits, cfg.num_blocks),
+        cfg,
+        shared,
+        steps: 0,
+        stats: Stats::default(),
+    };
+    (handle, engine.run(rx))
+}
+
+struct Engine {
+    sched: Scheduler,
+    cfg: EngineConfig,
+    shared: Arc<Shared>,
+    steps: u64,
+    stats: Stats,
+}
+
+impl Engine {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Msg>) {
+        let mut next_start: Option<Instant> = None;
+        loop {
+            if self.sched.is_idle() {
+                next_start = None;
+                match rx.recv().await {
+                    Some(m) => self.handle(m),
+                    None => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(m) => self.handle(m),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) if self.sched.is_idle() => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            }
+            let now = Instant::now();
+            let start = match next_start {
+                Some(t) if now.saturating_duration_since(t) < MAX_LAG => t,
+                _ => now,
+            };
+            let plan = self.sched.schedule(start);
+            if plan.work.sequences == 0 {
+                // Nothing can run (only possible with an empty batch and aborts pending).
+                self.publish();
+                next_start = None;
+                if self.sched.is_idle() {
+                    continue;
+                }
+                match rx.recv().await {
+                    Some(m) => self.handle(m),
+                    None => return,
+                }
+                continue;
+            }
+            let wall = self
+                .cfg
+                .cost
+                .step_time(plan.work)
+                .div_f64(self.cfg.time_scale);
+            let end = start + wall;
+            if end > Instant::now() {
+                tokio::time::sleep_until(end).await;
+            } else {
+                // Behind schedule or --instant: let handlers run before the next step.
+                tokio::task::yield_now().await;
+            }
+            next_start = Some(end);
+            self.steps += 1;
+            let scale = self.cfg.time_scale;
+            let mut m = self.shared.metrics();
+            m.iteration_tokens.observe(plan.tokens as f64);
+            m.preemptions += u64::from(plan.preempted);
+            m.prefix_queries += plan.prefix_queries;
+            m.prefix_hits += plan.prefix_hits;
+            let mut first_tokens = Vec::new();
+            let left = self.sched.apply(end, |seq| {
+                m.generation_tokens += 1;
+                if seq.generated == 1 {
+                    first_tokens.push((seq.prompt_len, seq.cached_at_admission));
+                    if let Some(t0) = seq.times.first_token {
+                        m.ttft.observe(secs(t0, seq.times.arrival, scale));
+                    }
+                } else if let Some(prev) = seq.times.last_token {
+                    m.itl.observe(secs(end, prev, scale));
+                }
+            });
+            drop(m);
+            self.record(first_tokens, left);
+            self.publish();
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Add(seq) => self.sched.waiting.push_back(*seq),
+            Msg::Abort(id) => {
+                if self.sched.abort(id).is_some() {
+                    self.shared.metrics().finished[FINISHED_ABORT] += 1;
+                    self.publish();
+                }
+            }
+        }
+    }
+
+    /// Per-step bookkeeping after `apply`: token counters and finished-request histograms.
+    fn record(&mut self, first_tokens: Vec<(usize, usize)>, left: Vec<Finished>) {
+        let scale = self.cfg.time_scale;
+        let mut m = self.shared.metrics();
+        for (prompt_len, cached) in first_tokens {
+            m.prompt_tokens_cached += cached as u64;
+            m.prompt_tokens_computed += (prompt_len - cached) as u64;
+        }
+        for f in left {
+            let s = &f.seq;
+            match f.reason {
+                None => m.finished[FINISHED_ABORT] += 1,
+                Some(_) => {
+                    m.finished[FINISHED_LENGTH] += 1;
+                    let t = s.times;
+                    let (Some(sched), Some(first), Some(last)) =
+                        (t.scheduled, t.first_token, t.last_token)
+                    else {
+                        continue;
+                    };
+                    let gen = f64::from(s.generated);
+                    m.e2e.observe(secs(last, t.arrival, scale));
+                    m.queue_time.observe(secs(sched, t.arrival, scale));
+                    m.inference_time.observe(secs(last, sched, scale));
+                    m.prefill_time.observe(secs(first, sched, scale));
+                    let decode = secs(last, first, scale);
+                    m.decode_time.observe(decode);
+                    m.tpot.observe(if s.generated > 1 {
+                        decode / (gen - 1.0)
+                    } else {
+                        0.0
+                    });
+                    m.request_prompt_tokens.observe(s.prompt_len as f64);
+                    m.request_generation_tokens.observe(gen);
+                    m.request_max_num_generation_tokens
+                        .observe(f64::from(s.max_tokens));
+                    m.request_params_max_tokens.observe(f64::from(s.max_tokens));
+                    m.request_params_n.observe(1.0);
+                    m.request_preemptions.observe(f64::from(s.preemptions));
+                    m.prefill_kv_computed_tokens
+                        .observe((s.prompt_len.saturating_sub(s.cached_at_admission)) as f64);
+                }
+            }
+        }
+    }
+
+    /// Copies gauges into the metrics and stats, and wakes whoever waits on them.
+    fn publish(&mut self) {
+        let pool = &self.sched.pool;
+        let mut m = self.shared.metrics();
+        m.running = self.sched.running.len();
+        m.waiting = self.sched.waiting.len();
+        m.kv_usage = pool.usage();
+        if !self.cfg.lora_names.is_empty() {
+            let names = |it: &mut dyn Iterator<Item = Option<u16>>| {
+                let mut v: Vec<String> = it
+                    .flatten()
+                    .filter_map(|i| self.cfg.lora_names.get(usize::from(i)).cloned())
+                    .collect();
+                v.sort();
+                v.dedup();
+                v
+            };
+            let running = names(&mut self.sched.running.iter().map(|s| s.lora));
+            let waiting = names(&mut self.sched.waiting.iter().map(|s| s.lora));
+            if running != m.running_loras || waiting != m.waiting_loras {
+                m.running_loras = running;
+                m.waiting_loras = waiting;
+                m.lora_info_time = unix_now();
+            }
+        }
+        self.stats = Stats {
+            running: m.running,
+            waiting: m.waiting,
+            kv_usage: m.kv_usage,
+            used_blocks: pool.num_used(),
+            cached_blocks: pool.num_cached(),
+            prefix_queries: m.prefix_queries,
+            prefix_hits: m.prefix_hits,
+            preemptions: m.preemptions,
+            finished: m.finished[FINISHED_LENGTH],
+            aborted: m.finished[FINISHED_ABORT],
+            prompt_tokens: m.prompt_tokens_cached + m.prompt_tokens_computed,
+            generation_tokens: m.generation_tokens,
+            steps: self.steps,
+        };
+        drop(m);
+        *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
+        self.shared.changed.send_modify(|v| *v += 1);
+    }
+}
+
+/// `later - earlier` in simulated seconds.
+fn secs(later: Instant, earlier: Instant, scale: f64) -> f64 {
+    later.saturating_duration_since(earlier).as_secs_f64() * scale
+}

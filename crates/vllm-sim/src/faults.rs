@@ -1,0 +1,373 @@
+//! Faults: failures a router must survive, switchable at run time.
+//!
+//! The same settings are reachable three ways: CLI flags (initial values), the [`Faults`]
+//! handle (`SimHandle::faults()` in tests) and `POST /sim/faults` with a JSON patch (scripts).
+//!
+//! | fault | effect |
+//! | --- | --- |
+//! | `fail_rate` | that fraction of completion requests gets HTTP 500 (OpenAI error JSON) |
+//! | `metrics_delay_ms` | `/metrics` answers only after this many wall-clock ms |
+//! | `metrics_hang` | `/metrics` never answers |
+//! | `metrics_garbage` | `/metrics` answers 200 with text that is not Prometheus exposition |
+//! | `first_token_stall_ms` | the first token of every response is held back this long |
+//! | `cut_stream_after` | a response body ends abruptly after N tokens (no `[DONE]`, broken chunked encoding); the request is aborted in the engine |
+//! | `refuse_after` | when the N-th completion request arrives the listener is closed (new connections are refused); a later request on a kept-alive connection drops every open connection |
+//! | `refuse_connections` | `true`: close the listener and drop every open connection now; `false`: re-bind the same port (and re-arm `refuse_after`) |
+//!
+//! Wall-clock fault durations are not divided by `--time-scale`: they exercise the router's
+//! own timeouts, which run on the real clock.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use tokio::sync::watch;
+
+const OFF: u64 = u64::MAX;
+
+/// Runtime fault switches of one simulator (cheap to clone; all clones share state).
+#[derive(Debug, Clone)]
+pub struct Faults {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    fail_rate_bits: AtomicU64,
+    metrics_delay_ms: AtomicU64,
+    metrics_hang: AtomicBool,
+    metrics_garbage: AtomicBool,
+    first_token_stall_ms: AtomicU64,
+    cut_stream_after: AtomicU64,
+    refuse_after: AtomicU64,
+    requests: AtomicU64,
+    /// Desired listener state: true = refuse connections.
+    refuse: watch::Sender<bool>,
+    /// Bumped to drop every open connection.
+    kill: watch::Sender<u64>,
+    /// Actual listener state, published by the accept loop.
+    listening: watch::Sender<bool>,
+}
+
+/// A snapshot of all fault settings (what `GET /sim/faults` returns).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaultSnapshot {
+    pub fail_rate: f64,
+    pub metrics_delay_ms: u64,
+    pub metrics_hang: bool,
+    pub metrics_garbage: bool,
+    pub first_token_stall_ms: u64,
+    pub cut_stream_after: Option<u64>,
+    pub refuse_after: Option<u64>,
+    pub refuse_connections: bool,
+    pub listening: bool,
+    pub requests_seen: u64,
+}
+
+/// A partial update (`POST /sim/faults`): absent fields stay as they are; `null` clears
+/// `cut_stream_after` / `refuse_after`; `reset: true` first clears everything.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultPatch {
+    #[serde(default)]
+    pub reset: bool,
+    pub fail_rate: Option<f64>,
+    pub metrics_delay_ms: Option<u64>,
+    pub metrics_hang: Option<bool>,
+    pub metrics_garbage: Option<bool>,
+    pub first_token_stall_ms: Option<u64>,
+    #[serde(default, deserialize_with = "present")]
+    pub cut_stream_after: Option<Option<u64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub refuse_after: Option<Option<u64>>,
+    pub refuse_connections: Option<bool>,
+    /// With `refuse_connections: true`: re-bind automatically after this many ms.
+    pub refuse_for_ms: Option<u64>,
+}
+
+/// Distinguishes a field given as `null` (Some(None)) from an absent one (None).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// What a completion request may do, given `refuse_after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Serve,
+    /// Past the limit: the connection is being dropped.
+    Refuse,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn opt(v: Option<u64>) -> u64 {
+    v.unwrap_or(OFF)
+}
+
+fn unopt(v: u64) -> Option<u64> {
+    (v != OFF).then_some(v)
+}
+
+impl Faults {
+    /// No faults.
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                fail_rate_bits: AtomicU64::new(0f64.to_bits()),
+                metrics_delay_ms: AtomicU64::new(0),
+                metrics_hang: AtomicBool::new(false),
+                metrics_garbage: AtomicBool::new(false),
+                first_token_stall_ms: AtomicU64::new(0),
+                cut_stream_after: AtomicU64::new(OFF),
+                refuse_after: AtomicU64::new(OFF),
+                requests: AtomicU64::new(0),
+                refuse: watch::channel(false).0,
+                kill: watch::channel(0).0,
+                listening: watch::channel(false).0,
+            }),
+        }
+    }
+
+    /// Fraction (clamped to 0–1) of completion requests answered with 500.
+    pub fn set_fail_rate(&self, rate: f64) {
+        let r = if rate.is_nan() {
+            0.0
+        } else {
+            rate.clamp(0.0, 1.0)
+        };
+        self.inner
+            .fail_rate_bits
+            .store(r.to_bits(), Ordering::Relaxed);
+    }
+    pub fn set_metrics_delay(&self, d: Duration) {
+        self.inner
+            .metrics_delay_ms
+            .store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+    pub fn set_metrics_hang(&self, on: bool) {
+        self.inner.metrics_hang.store(on, Ordering::Relaxed);
+    }
+    pub fn set_metrics_garbage(&self, on: bool) {
+        self.inner.metrics_garbage.store(on, Ordering::Relaxed);
+    }
+    pub fn set_first_token_stall(&self, d: Duration) {
+        self.inner
+            .first_token_stall_ms
+            .store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+    /// End response bodies abruptly after `n` tokens (None: never).
+    pub fn set_cut_stream_after(&self, n: Option<u64>) {
+        self.inner.cut_stream_after.store(opt(n), Ordering::Relaxed);
+    }
+    /// Close the listener when the `n`-th completion request (counted from now) arrives.
+    pub fn set_refuse_after(&self, n: Option<u64>) {
+        self.inner.requests.store(0, Ordering::Relaxed);
+        self.inner.refuse_after.store(opt(n), Ordering::Relaxed);
+    }
+
+    /// Closes the listener (connects are refused) and drops every open connection.
+    pub fn refuse_connections(&self) {
+        self.inner.refuse.send_replace(true);
+        self.inner.kill.send_modify(|k| *k += 1);
+    }
+
+    /// Re-binds the listener on the same address and re-arms `refuse_after`.
+    pub fn accept_connections(&self) {
+        self.inner.requests.store(0, Ordering::Relaxed);
+        self.inner.refuse.send_replace(false);
+    }
+
+    /// Whether the listener is currently bound.
+    pub fn is_listening(&self) -> bool {
+        *self.inner.listening.borrow()
+    }
+
+    /// Waits until the accept loop has applied the state (`true`: bound and accepting).
+    pub async fn wait_listening(&self, listening: bool) {
+        let mut rx = self.inner.listening.subscribe();
+        // Err only if the sender is dropped, which cannot happen while `self` lives.
+        let _ = rx.wait_for(|l| *l == listening).await;
+    }
+
+    /// All settings now.
+    pub fn snapshot(&self) -> FaultSnapshot {
+        let i = &self.inner;
+        FaultSnapshot {
+            fail_rate: self.fail_rate(),
+            metrics_delay_ms: i.metrics_delay_ms.load(Ordering::Relaxed),
+            metrics_hang: i.metrics_hang.load(Ordering::Relaxed),
+            metrics_garbage: i.metrics_garbage.load(Ordering::Relaxed),
+            first_token_stall_ms: i.first_token_stall_ms.load(Ordering::Relaxed),
+            cut_stream_after: unopt(i.cut_stream_after.load(Ordering::Relaxed)),
+            refuse_after: unopt(i.refuse_after.load(Ordering::Relaxed)),
+            refuse_connections: *i.refuse.borrow(),
+            listening: self.is_listening(),
+            requests_seen: i.requests.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Applies a patch (see [`FaultPatch`]).
+    pub fn apply(&self, p: &FaultPatch) {
+        if p.reset {
+            self.set_fail_rate(0.0);
+            self.set_metrics_delay(Duration::ZERO);
+            self.set_metrics_hang(false);
+            self.set_metrics_garbage(false);
+            self.set_first_token_stall(Duration::ZERO);
+            self.set_cut_stream_after(None);
+            self.set_refuse_after(None);
+        }
+        if let Some(r) = p.fail_rate {
+            self.set_fail_rate(r);
+        }
+        if let Some(ms) = p.metrics_delay_ms {
+            self.set_metrics_delay(Duration::from_millis(ms));
+        }
+        if let Some(on) = p.metrics_hang {
+            self.set_metrics_hang(on);
+        }
+        if let Some(on) = p.metrics_garbage {
+            self.set_metrics_garbage(on);
+        }
+        if let Some(ms) = p.first_token_stall_ms {
+            self.set_first_token_stall(Duration::from_millis(ms));
+        }
+        if let Some(n) = p.cut_stream_after {
+            self.set_cut_stream_after(n);
+        }
+        if let Some(n) = p.refuse_after {
+            self.set_refuse_after(n);
+        }
+        match p.refuse_connections {
+            Some(true) => {
+                self.refuse_connections();
+                if let Some(ms) = p.refuse_for_ms {
+                    let me = self.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        me.accept_connections();
+                    });
+                }
+            }
+            Some(false) => self.accept_connections(),
+            None => {}
+        }
+    }
+
+    pub(crate) fn fail_rate(&self) -> f64 {
+        f64::from_bits(self.inner.fail_rate_bits.load(Ordering::Relaxed))
+    }
+
+    /// Draws whether this request fails.
+    pub(crate) fn should_fail(&self) -> bool {
+        let r = self.fail_rate();
+        r > 0.0 && fastrand::f64() < r
+    }
+
+    pub(crate) fn metrics_delay(&self) -> Duration {
+        Duration::from_millis(self.inner.metrics_delay_ms.load(Ordering::Relaxed))
+    }
+    pub(crate) fn metrics_hang(&self) -> bool {
+        self.inner.metrics_hang.load(Ordering::Relaxed)
+    }
+    pub(crate) fn metrics_garbage(&self) -> bool {
+        self.inner.metrics_garbage.load(Ordering::Relaxed)
+    }
+    pub(crate) fn first_token_stall(&self) -> Duration {
+        Duration::from_millis(self.inner.first_token_stall_ms.load(Ordering::Relaxed))
+    }
+    pub(crate) fn cut_stream_after(&self) -> Option<u64> {
+        unopt(self.inner.cut_stream_after.load(Ordering::Relaxed))
+    }
+
+    /// Counts a completion request against `refuse_after` (see module doc).
+    pub(crate) fn admit_request(&self) -> Admission {
+        let limit = self.inner.refuse_after.load(Ordering::Relaxed);
+        let n = self.inner.requests.fetch_add(1, Ordering::Relaxed) + 1;
+        if limit == OFF || n < limit {
+            return Admission::Serve;
+        }
+        if n == limit {
+            // Serve this one, but accept no new connection after it.
+            self.inner.refuse.send_replace(true);
+            return Admission::Serve;
+        }
+        self.refuse_connections();
+        Admission::Refuse
+    }
+
+    pub(crate) fn refuse_watch(&self) -> watch::Receiver<bool> {
+        self.inner.refuse.subscribe()
+    }
+    pub(crate) fn kill_watch(&self) -> watch::Receiver<u64> {
+        self.inner.kill.subscribe()
+    }
+    pub(crate) fn set_listening(&self, on: bool) {
+        self.inner.listening.send_replace(on);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn patch_parses_and_applies() {
+        let f = Faults::new();
+        let p: FaultPatch = serde_json::from_str(
+            r#"{"fail_rate":0.25,"metrics_hang":true,"cut_stream_after":3,"first_token_stall_ms":50}"#,
+        )
+        .unwrap();
+        f.apply(&p);
+        let s = f.snapshot();
+        assert_eq!(s.fail_rate, 0.25);
+        assert!(s.metrics_hang);
+        assert_eq!(s.cut_stream_after, Some(3));
+        assert_eq!(f.first_token_stall(), Duration::from_millis(50));
+        let clear: FaultPatch = serde_json::from_str(r#"{"cut_stream_after":null}"#).unwrap();
+        f.apply(&clear);
+        assert_eq!(f.snapshot().cut_stream_after, None);
+        assert!(f.snapshot().metrics_hang, "absent fields are untouched");
+        f.apply(&FaultPatch {
+            reset: true,
+            ..FaultPatch::default()
+        });
+        assert!(!f.snapshot().metrics_hang);
+        assert!(serde_json::from_str::<FaultPatch>(r#"{"nonsense":1}"#).is_err());
+    }
+
+    #[test]
+    fn fail_rate_extremes() {
+        let f = Faults::new();
+        assert!(!(0..100).any(|_| f.should_fail()));
+        f.set_fail_rate(1.0);
+        assert!((0..100).all(|_| f.should_fail()));
+        f.set_fail_rate(7.0);
+        assert_eq!(f.fail_rate(), 1.0, "clamped");
+    }
+
+    #[test]
+    fn refuse_after_counts_requests() {
+        let f = Faults::new();
+        f.set_refuse_after(Some(2));
+        assert_eq!(f.admit_request(), Admission::Serve);
+        assert!(!*f.refuse_watch().borrow());
+        assert_eq!(f.admit_request(), Admission::Serve);
+        assert!(
+            *f.refuse_watch().borrow(),
+            "listener closes at the N-th request"
+        );
+        assert_eq!(f.admit_request(), Admission::Refuse);
+        f.accept_connections();
+        assert!(!*f.refuse_watch().borrow());
+        assert_eq!(f.admit_request(), Admission::Serve, "re-armed");
+    }
+}

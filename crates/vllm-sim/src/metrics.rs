@@ -1,0 +1,661 @@
+//! Metrics: the engine's counters, gauges and histograms, rendered as vLLM 0.32's `/metrics`.
+//!
+//! Names, types, HELP texts, label sets, label order (alphabetical), bucket boundaries and
+//! number formatting follow a real vLLM 0.32 page (prometheus_client multiprocess output):
+//! counters are exposed as `NAME_total` with a `NAME_created` gauge beside them, histograms as
+//! `_bucket{le=..}`, `_count`, `_sum` plus `_created`, and every `vllm:` series carries
+//! `engine="0"` and `model_name` (except `admission_rejections`, which vLLM exposes without
+//! `engine`).
+//!
+//! All durations in histograms are *simulated* seconds: what a real GPU with the cost model's
+//! speed would report, whatever `--time-scale` the simulator runs at.
+//!
+//! The engine updates one `Metrics` behind a mutex once per step; `/metrics` renders it.
+
+use std::fmt::Write as _;
+
+/// Finish reasons in vLLM's label order.
+pub const FINISH_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
+/// Index of "length" in [`FINISH_REASONS`].
+pub const FINISHED_LENGTH: usize = 1;
+/// Index of "abort" in [`FINISH_REASONS`].
+pub const FINISHED_ABORT: usize = 2;
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+const REQUEST_TIME_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+const ITERATION_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
+const PARAMS_N_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0];
+const PREEMPTION_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0];
+
+/// vLLM's 1-2-5 series up to `max` (token-count histograms: 1, 2, 5, 10, 20, 50, ...).
+pub fn buckets_1_2_5(max: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut exp = 1.0;
+    loop {
+        for m in [1.0, 2.0, 5.0] {
+            let v = m * exp;
+            if v > max as f64 {
+                return out;
+            }
+            out.push(v);
+        }
+        exp *= 10.0;
+    }
+}
+
+/// A Prometheus histogram with fixed upper bounds.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    le: Vec<f64>,
+    /// Per-bucket (not cumulative) counts; the last slot is the +Inf bucket.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    pub fn new(le: &[f64]) -> Self {
+        Self {
+            le: le.to_vec(),
+            counts: vec![0; le.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        let i = self
+            .le
+            .iter()
+            .position(|&b| v <= b)
+            .unwrap_or(self.le.len());
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+}
+
+/// Everything `/metrics` shows, updated by the engine.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub preemptions: u64,
+    /// Prompt tokens of requests whose prefill finished, split by source.
+    pub prompt_tokens_computed: u64,
+    pub prompt_tokens_cached: u64,
+    pub generation_tokens: u64,
+    /// Finished requests by reason, indexed like [`FINISH_REASONS`].
+    pub finished: [u64; 5],
+    pub running_loras: Vec<String>,
+    pub waiting_loras: Vec<String>,
+    /// Unix time of the last LoRA-state change (`vllm:lora_requests_info`'s value).
+    pub lora_info_time: f64,
+    pub request_prompt_tokens: Histogram,
+    pub request_generation_tokens: Histogram,
+    pub iteration_tokens: Histogram,
+    pub request_max_num_generation_tokens: Histogram,
+    pub request_params_n: Histogram,
+    pub request_params_max_tokens: Histogram,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub tpot: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+    pub inference_time: Histogram,
+    pub prefill_time: Histogram,
+    pub decode_time: Histogram,
+    pub request_preemptions: Histogram,
+    pub prefill_kv_computed_tokens: Histogram,
+}
+
+impl Metrics {
+    pub fn new(max_model_len: usize) -> Self {
+        let tokens = buckets_1_2_5(max_model_len);
+        Self {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            prefix_queries: 0,
+            prefix_hits: 0,
+            preemptions: 0,
+            prompt_tokens_computed: 0,
+            prompt_tokens_cached: 0,
+            generation_tokens: 0,
+            finished: [0; 5],
+            running_loras: Vec::new(),
+            waiting_loras: Vec::new(),
+            lora_info_time: unix_now(),
+            request_prompt_tokens: Histogram::new(&tokens),
+            request_generation_tokens: Histogram::new(&tokens),
+            iteration_tokens: Histogram::new(ITERATION_TOKEN_BUCKETS),
+            request_max_num_generation_tokens: Histogram::new(&tokens),
+            request_params_n: Histogram::new(PARAMS_N_BUCKETS),
+            request_params_max_tokens: Histogram::new(&tokens),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            tpot: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(REQUEST_TIME_BUCKETS),
+            queue_time: Histogram::new(REQUEST_TIME_BUCKETS),
+            inference_time: Histogram::new(REQUEST_TIME_BUCKETS),
+            prefill_time: Histogram::new(REQUEST_TIME_BUCKETS),
+            decode_time: Histogram::new(REQUEST_TIME_BUCKETS),
+            request_preemptions: Histogram::new(PREEMPTION_BUCKETS),
+            prefill_kv_computed_tokens: Histogram::new(&tokens),
+        }
+    }
+}
+
+/// Seconds since the Unix epoch, as vLLM's `_created` and info-gauge values.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Static facts shown in `vllm:cache_config_info` and used for labels.
+#[derive(Debug, Clone)]
+pub struct PageInfo {
+    pub model_name: String,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_model_len: usize,
+    pub max_loras: usize,
+    pub lora_enabled: bool,
+    pub gpu_cache_usage_metric: bool,
+    /// Unix time the metrics were created (the `_created` values).
+    pub created: f64,
+}
+
+/// Formats a sample value the way prometheus_client does (Python `repr`, with Go-style
+/// exponents for numbers of more than six integer digits): `0.0`, `10.0`, `1.79e+09`.
+pub fn fmt_value(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        };
+    }
+    let mut s = format!("{v}");
+    if !s.contains('.') && !s.contains('e') {
+        s.push_str(".0");
+    }
+    if v > 0.0 {
+        if let Some(dot) = s.find('.') {
+            if dot > 6 {
+                let digits = format!("{}{}", &s[1..dot], &s[dot + 1..]);
+                let mantissa = format!("{}.{}", &s[..1], digits);
+                let mantissa = mantissa.trim_end_matches(['0', '.']);
+                return format!("{mantissa}e+0{}", dot - 1);
+            }
+        }
+    }
+    s
+}
+
+/// Writes one page; the base labels are added to every `vllm:` series.
+struct Page<'a> {
+    out: &'a mut String,
+    model: &'a str,
+    created: f64,
+}
+
+type Labels<'a> = &'a [(&'a str, &'a str)];
+
+impl Page<'_> {
+    fn labels(&self, extra: Labels, with_engine: bool) -> String {
+        let mut all: Vec<(&str, &str)> = Vec::with_capacity(extra.len() + 2);
+        if with_engine {
+            all.push(("engine", "0"));
+        }
+        all.push(("model_name", self.model));
+        all.extend_from_slice(extra);
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        let mut s = String::from("{");
+        for (i, (k, v)) in all.iter().enumerate() {
+            if i > 0 {
+                s.push(',');
+            }
+            let _ = write!(s, "{k}=\"{}\"", escape_label(v));
+            let _ = i;
+        }
+        s.push('}');
+        s
+    }
+
+    fn header(&mut self, name: &str, help: &str, kind: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &str, v: f64) {
+        let _ = writeln!(self.out, "{name}{labels} {}", fmt_value(v));
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, series: &[(Labels, f64)]) {
+        self.header(name, help, "gauge");
+        for (extra, v) in series {
+            let l = self.labels(extra, true);
+            self.sample(name, &l, *v);
+        }
+    }
+
+    fn counter(&mut self, name: &str, help: &str, series: &[(Labels, f64)], with_engine: bool) {
+        let total = format!("{name}_total");
+        self.header(&total, help, "counter");
+        for (extra, v) in series {
+            let l = self.labels(extra, with_engine);
+            self.sample(&total, &l, *v);
+        }
+        self.created(name, help, series.iter().map(|s| s.0), with_engine);
+    }
+
+    fn created<'l>(
+        &mut self,
+        name: &str,
+        help: &str,
+        label_sets: impl Iterator<Item = Labels<'l>>,
+        with_engine: bool,
+    ) {
+        let created = format!("{name}_created");
+        self.header(&created, help, "gauge");
+        for extra in label_sets {
+            let l = self.labels(extra, with_engine);
+            self.sample(&created, &l, self.created);
+        }
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, help, "histogram");
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (i, c) in h.counts.iter().enumerate() {
+            cumulative += c;
+            let le = h.le.get(i).map_or("+Inf".to_string(), |b| fmt_value(*b));
+            let l = self.labels(&[("le", &le)], true);
+            self.sample(&bucket, &l, cumulative as f64);
+        }
+        let l = self.labels(&[], true);
+        self.sample(&format!("{name}_count"), &l, h.count as f64);
+        self.sample(&format!("{name}_sum"), &l, h.sum);
+        self.created(name, help, std::iter::once(&[][..]), true);
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Renders the whole `vllm:` page.
+pub fn render(m: &Metrics, info: &PageInfo) -> String {
+    let mut out = String::with_capacity(24 * 1024);
+    let mut p = Page {
+        out: &mut out,
+        model: &info.model_name,
+        created: info.created,
+    };
+    let none: Labels = &[];
+
+    for (name, help) in [
+        ("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations)."),
+        ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations)."),
+        ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations)."),
+    ] {
+        p.counter(name, help, &[(none, 0.0)], true);
+    }
+    p.gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        &[(none, m.running as f64)],
+    );
+    p.gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        &[(none, m.waiting as f64)],
+    );
+    p.gauge(
+        "vllm:num_requests_waiting_by_reason",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+        &[(&[("reason", "capacity")], m.waiting as f64), (&[("reason", "deferred")], 0.0)],
+    );
+    p.gauge(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        &[
+            (&[("sleep_state", "awake")], 1.0),
+            (&[("sleep_state", "weights_offloaded")], 0.0),
+            (&[("sleep_state", "discard_all")], 0.0),
+        ],
+    );
+    if info.gpu_cache_usage_metric {
+        p.gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.",
+            &[(none, m.kv_usage)],
+        );
+    }
+    p.gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &[(none, m.kv_usage)],
+    );
+    p.counter(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &[(none, m.prefix_queries as f64)],
+        true,
+    );
+    p.counter(
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &[(none, m.prefix_hits as f64)],
+        true,
+    );
+    for (name, help) in [
+        ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
+        ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
+        ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
+        ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+    ] {
+        p.counter(name, help, &[(none, 0.0)], true);
+    }
+    p.counter(
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        &[(none, m.preemptions as f64)],
+        true,
+    );
+    let prompt_total = (m.prompt_tokens_computed + m.prompt_tokens_cached) as f64;
+    let cached = m.prompt_tokens_cached as f64;
+    p.counter(
+        "vllm:prompt_tokens",
+        "Number of prefill tokens processed.",
+        &[(none, prompt_total)],
+        true,
+    );
+    p.counter(
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        &[
+            (
+                &[("source", "local_compute")],
+                m.prompt_tokens_computed as f64,
+            ),
+            (&[("source", "local_cache_hit")], cached),
+            (&[("source", "external_kv_transfer")], 0.0),
+        ],
+        true,
+    );
+    p.counter(
+        "vllm:prompt_tokens_cached",
+        "Number of cached prompt tokens (local + external).",
+        &[(none, cached)],
+        true,
+    );
+    p.counter(
+        "vllm:prompt_tokens_cached_by_source",
+        "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+        &[
+            (&[("source", "device")], m.prefix_hits as f64),
+            (&[("source", "host")], 0.0),
+            (&[("source", "p2p")], 0.0),
+            (&[("source", "disk")], 0.0),
+            (&[("source", "external_unspecified")], 0.0),
+        ],
+        true,
+    );
+    p.counter(
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
+        &[(none, m.generation_tokens as f64)],
+        true,
+    );
+    let finished: Vec<([(&str, &str); 1], f64)> = FINISH_REASONS
+        .iter()
+        .zip(m.finished)
+        .map(|(r, n)| ([("finished_reason", *r)], n as f64))
+        .collect();
+    let finished: Vec<(Labels, f64)> = finished.iter().map(|(l, v)| (&l[..], *v)).collect();
+    p.counter(
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        &finished,
+        true,
+    );
+    p.counter(
+        "vllm:admission_rejections",
+        "Number of admission attempts rejected by a queue limit, by reason.",
+        &[
+            (&[("reason", "max_num_queued_reqs")], 0.0),
+            (&[("reason", "max_num_queued_tokens")], 0.0),
+        ],
+        false,
+    );
+    p.histogram(
+        "vllm:request_prompt_tokens",
+        "Number of prefill tokens processed.",
+        &m.request_prompt_tokens,
+    );
+    p.histogram(
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        &m.request_generation_tokens,
+    );
+    p.histogram(
+        "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        &m.iteration_tokens,
+    );
+    p.histogram(
+        "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        &m.request_max_num_generation_tokens,
+    );
+    p.histogram(
+        "vllm:request_params_n",
+        "Histogram of the n request parameter.",
+        &m.request_params_n,
+    );
+    p.histogram(
+        "vllm:request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        &m.request_params_max_tokens,
+    );
+    p.histogram(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &m.ttft,
+    );
+    p.histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &m.itl,
+    );
+    p.histogram(
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        &m.tpot,
+    );
+    p.histogram(
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        &m.e2e,
+    );
+    p.histogram(
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &m.queue_time,
+    );
+    p.histogram(
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        &m.inference_time,
+    );
+    p.histogram(
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &m.prefill_time,
+    );
+    p.histogram(
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        &m.decode_time,
+    );
+    p.histogram(
+        "vllm:request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        &m.request_preemptions,
+    );
+    p.histogram(
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        &m.prefill_kv_computed_tokens,
+    );
+    if info.lora_enabled {
+        let running = m.running_loras.join(",");
+        let waiting = m.waiting_loras.join(",");
+        let max_lora = info.max_loras.to_string();
+        p.gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            &[(
+                &[
+                    ("max_lora", &max_lora),
+                    ("running_lora_adapters", &running),
+                    ("waiting_lora_adapters", &waiting),
+                ],
+                m.lora_info_time,
+            )],
+        );
+    }
+    cache_config_info(&mut p, info);
+    out
+}
+
+fn cache_config_info(p: &mut Page, info: &PageInfo) {
+    let tokens = info.block_size * info.num_gpu_blocks;
+    // Llama-3.1-8B in bf16 keeps 128 KiB of KV per token (see cost.rs).
+    let bytes = tokens as u64 * 131_072;
+    let concurrency = fmt_value(tokens as f64 / info.max_model_len as f64);
+    let (bs, blocks, toks, mem) = (
+        info.block_size.to_string(),
+        info.num_gpu_blocks.to_string(),
+        tokens.to_string(),
+        bytes.to_string(),
+    );
+    let labels: &[(&str, &str)] = &[
+        ("_block_size_resolved", "True"),
+        ("block_size", &bs),
+        ("cache_dtype", "auto"),
+        ("cache_hit_alignment_tokens", "None"),
+        ("effective_attention_block_size", &bs),
+        ("enable_prefix_caching", "True"),
+        ("gpu_memory_utilization", "0.9"),
+        ("hash_block_size", "None"),
+        ("is_attention_free", "False"),
+        ("kv_cache_max_concurrency", &concurrency),
+        ("kv_cache_memory_bytes", &mem),
+        ("kv_cache_size_tokens", &toks),
+        ("kv_sharing_fast_prefill", "False"),
+        ("num_cpu_blocks", "None"),
+        ("num_gpu_blocks", &blocks),
+        ("num_gpu_blocks_override", &blocks),
+        ("prefix_caching_hash_algo", "xxh3"),
+        ("sliding_window", "None"),
+        ("user_specified_block_size", "True"),
+    ];
+    p.gauge(
+        "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        &[(labels, 1.0)],
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_format_like_prometheus_client() {
+        assert_eq!(fmt_value(0.0), "0.0");
+        assert_eq!(fmt_value(2072.0), "2072.0");
+        assert_eq!(fmt_value(0.001), "0.001");
+        assert_eq!(fmt_value(f64::INFINITY), "+Inf");
+        assert_eq!(fmt_value(1_796_052_487.656_368_5), "1.7960524876563685e+09");
+        assert_eq!(fmt_value(1_000_000.0), "1e+06");
+        assert_eq!(fmt_value(0.203), "0.203");
+    }
+
+    #[test]
+    fn token_buckets_follow_1_2_5() {
+        assert_eq!(
+            buckets_1_2_5(1024),
+            [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0]
+        );
+        assert_eq!(buckets_1_2_5(32768).last(), Some(&20000.0));
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_in_output() {
+        let mut m = Metrics::new(2048);
+        m.ttft.observe(0.015);
+        m.ttft.observe(3.0);
+        let info = PageInfo {
+            model_name: "m".into(),
+            block_size: 16,
+            num_gpu_blocks: 8,
+            max_model_len: 2048,
+            max_loras: 1,
+            lora_enabled: false,
+            gpu_cache_usage_metric: false,
+            created: 1.0,
+        };
+        let page = render(&m, &info);
+        assert!(page.contains(
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.01\",model_name=\"m\"} 0.0\n"
+        ));
+        assert!(page.contains(
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.02\",model_name=\"m\"} 1.0\n"
+        ));
+        assert!(page.contains(
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 2.0\n"
+        ));
+        assert!(page.contains(
+            "vllm:time_to_first_token_seconds_sum{engine=\"0\",model_name=\"m\"} 3.015\n"
+        ));
+        assert!(!page.contains("gpu_cache_usage_perc"));
+        assert!(!page.contains("lora_requests_info"));
+        assert!(page.contains(
+            "vllm:admission_rejections_total{model_name=\"m\",reason=\"max_num_queued_reqs\"} 0.0"
+        ));
+    }
+}

@@ -1,0 +1,369 @@
+//! Scheduler: continuous batching over the block pool, one step at a time (no clock here).
+//!
+//! Each step, like vLLM v1's scheduler with chunked prefill:
+//!
+//! 1. **Running sequences first**, in admission order. Each asks for its remaining prompt
+//!    (chunked to the step's token budget, `--max-num-batched-tokens`) or, when decoding, one
+//!    token. If the blocks for those tokens cannot be allocated, the most recently admitted
+//!    running sequence is **preempted** (recompute mode: its blocks are freed — full ones stay
+//!    cached — it goes back to the *front* of the waiting queue, `vllm:num_preemptions` rises)
+//!    until the allocation fits or the sequence preempted itself.
+//! 2. **Then the waiting queue**, FIFO, unless something was preempted this step: while there
+//!    is budget and fewer than `--max-num-seqs` run, the head of the queue looks up its longest
+//!    cached prefix (full blocks, at most all but the last token: one token must be computed to
+//!    produce logits), and is admitted only if the blocks for that prefix and its first chunk
+//!    fit. If not, admission stops (head-of-line blocking, as vLLM's FCFS policy).
+//!
+//! After the step's simulated time has passed, [`Scheduler::apply`] advances every scheduled
+//! sequence: computed tokens grow, newly full blocks are hashed and registered in the prefix
+//! cache, and a sequence whose tokens are all computed samples its next token (deterministic
+//! filler). A sequence that reaches its `max_tokens` finishes and its blocks are freed.
+//!
+//! Prefix-cache accounting matches vLLM's counters: at each admission, `queries += tokens of
+//! the sequence` and `hits += cached tokens reused`.
+
+use std::collections::VecDeque;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::cost::StepWork;
+use crate::kv_cache::{BlockId, BlockPool};
+use crate::tokenizer::filler_id;
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// Reached `max_tokens` (the simulator never samples an end-of-sequence token).
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated token, sent to the request's HTTP handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenEvent {
+    /// 0-based index of the token in the output.
+    pub index: u32,
+    /// Set on the last token.
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefix cache at (the latest) admission.
+    pub cached_tokens: u32,
+}
+
+/// Per-request timestamps (wall clock; converted to simulated seconds for metrics).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqTimes {
+    pub arrival: Instant,
+    pub scheduled: Option<Instant>,
+    pub first_token: Option<Instant>,
+    pub last_token: Option<Instant>,
+}
+
+/// A request inside the engine.
+#[derive(Debug)]
+pub struct Seq {
+    pub id: u64,
+    /// Prompt tokens followed by the tokens generated so far.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: u32,
+    pub generated: u32,
+    /// Tokens whose KV is in the cache.
+    pub num_computed: usize,
+    /// Tokens to compute in the current step (0 = not scheduled).
+    pub scheduled: usize,
+    pub blocks: Vec<BlockId>,
+    /// Chain hashes of the full blocks of `tokens`, computed once each.
+    hashes: Vec<u64>,
+    hash_seed: u64,
+    pub lora: Option<u16>,
+    pub events: mpsc::UnboundedSender<TokenEvent>,
+    pub times: SeqTimes,
+    pub preemptions: u32,
+    pub cached_at_admission: usize,
+    /// The client went away (its channel is closed): drop at the end of the step.
+    pub gone: bool,
+}
+
+impl Seq {
+    pub fn new(
+        id: u64,
+        tokens: Vec<u32>,
+        max_tokens: u32,
+        hash_seed: u64,
+        lora: Option<u16>,
+        events: mpsc::UnboundedSender<TokenEvent>,
+        arrival: Instant,
+    ) -> Self {
+        let prompt_len = tokens.len();
+        Self {
+            id,
+            tokens,
+            prompt_len,
+            max_tokens,
+            generated: 0,
+            num_computed: 0,
+            scheduled: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            hash_seed,
+            lora,
+            events,
+            times: SeqTimes {
+                arrival,
+                scheduled: None,
+                first_token: None,
+                last_token: None,
+            },
+            preemptions: 0,
+            cached_at_admission: 0,
+            gone: false,
+        }
+    }
+
+    /// Hashes every full block of `tokens` not hashed yet: `h_i = xxh3(block i, seed h_{i-1})`.
+    fn ensure_hashes(&mut self, block_size: usize) {
+        let full = self.tokens.len() / block_size;
+        while self.hashes.len() < full {
+            let b = self.hashes.len();
+            let parent = self.hashes.last().copied().unwrap_or(self.hash_seed);
+            let mut h = Xxh3::with_seed(parent);
+            for t in &self.tokens[b * block_size..(b + 1) * block_size] {
+                h.update(&t.to_le_bytes());
+            }
+            self.hashes.push(h.digest());
+        }
+    }
+}
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+/// What happened in `schedule` that metrics care about.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleOutcome {
+    pub work: StepWork,
+    pub tokens: usize,
+    pub preempted: u32,
+    pub admitted: u32,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+}
+
+/// A sequence that left the engine at the end of a step.
+#[derive(Debug)]
+pub struct Finished {
+    pub seq: Seq,
+    /// None: the client disconnected (abort).
+    pub reason: Option<FinishReason>,
+}
+
+/// Waiting queue, running batch and block pool of one engine.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub limits: Limits,
+    pub pool: BlockPool,
+    pub running: Vec<Seq>,
+    pub waiting: VecDeque<Seq>,
+}
+
+impl Scheduler {
+    pub fn new(limits: Limits, num_blocks: usize) -> Self {
+        Self {
+            limits,
+            pool: BlockPool::new(num_blocks),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.limits.block_size)
+    }
+
+    /// Plans one step (see module doc); `now` stamps first admissions.
+    pub fn schedule(&mut self, now: Instant) -> ScheduleOutcome {
+        let mut out = ScheduleOutcome::default();
+        let mut budget = self.limits.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() {
+            self.running[i].scheduled = 0;
+            if budget == 0 {
+                i += 1;
+                continue;
+            }
+            let seq = &self.running[i];
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let needed = self
+                .blocks_for(seq.num_computed + n)
+                .saturating_sub(seq.blocks.len());
+            loop {
+                if self.pool.allocate(needed, &mut self.running[i].blocks) {
+                    self.running[i].scheduled = n;
+                    budget -= n;
+                    i += 1;
+                    break;
+                }
+                // Preempt the most recently admitted sequence (possibly this one).
+                let Some(victim) = self.running.pop() else {
+                    break;
+                };
+                self.preempt(victim);
+                out.preempted += 1;
+                if i >= self.running.len() {
+                    break;
+                }
+            }
+        }
+        if out.preempted == 0 {
+            self.admit(now, &mut budget, &mut out);
+        }
+        for seq in self.running.iter().filter(|s| s.scheduled > 0) {
+            let decode = seq.scheduled == 1 && seq.generated > 0;
+            if !decode {
+                out.work.prefill_tokens += seq.scheduled as u32;
+            }
+            out.work.sequences += 1;
+            out.work.context_tokens += seq.num_computed as u64;
+            out.tokens += seq.scheduled;
+        }
+        out
+    }
+
+    fn preempt(&mut self, mut seq: Seq) {
+        self.pool.free(&seq.blocks);
+        seq.blocks.clear();
+        seq.num_computed = 0;
+        seq.scheduled = 0;
+        seq.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    fn admit(&mut self, now: Instant, budget: &mut usize, out: &mut ScheduleOutcome) {
+        let bs = self.limits.block_size;
+        while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
+            let Some(seq) = self.waiting.front_mut() else {
+                break;
+            };
+            seq.ensure_hashes(bs);
+            let max_hit = (seq.tokens.len() - 1) / bs;
+            let hit = self
+                .pool
+                .match_prefix(&seq.hashes[..max_hit.min(seq.hashes.len())]);
+            let cached = hit * bs;
+            let n = (seq.tokens.len() - cached).min(*budget);
+            let new_blocks = (cached + n).div_ceil(bs) - hit;
+            if !self.pool.can_allocate(&seq.hashes[..hit], new_blocks) {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            self.pool
+                .acquire_cached(&seq.hashes[..hit], &mut seq.blocks);
+            let ok = self.pool.allocate(new_blocks, &mut seq.blocks);
+            debug_assert!(ok, "can_allocate said yes");
+            seq.num_computed = cached;
+            seq.scheduled = n;
+            seq.cached_at_admission = cached;
+            seq.times.scheduled.get_or_insert(now);
+            *budget -= n;
+            out.admitted += 1;
+            out.prefix_queries += seq.tokens.len() as u64;
+            out.prefix_hits += cached as u64;
+            self.running.push(seq);
+        }
+    }
+
+    /// Advances the scheduled sequences after the step (see module doc) and returns those that
+    /// left: finished ones and ones whose client is gone. `now` is the step's end.
+    pub fn apply(&mut self, now: Instant, mut on_token: impl FnMut(&Seq)) -> Vec<Finished> {
+        let bs = self.limits.block_size;
+        let mut done = Vec::new();
+        for seq in self.running.iter_mut() {
+            if seq.scheduled == 0 {
+                continue;
+            }
+            let before = seq.num_computed / bs;
+            seq.num_computed += seq.scheduled;
+            seq.scheduled = 0;
+            let after = seq.num_computed / bs;
+            if after > before {
+                seq.ensure_hashes(bs);
+                for b in before..after {
+                    self.pool.commit_full(seq.blocks[b], seq.hashes[b]);
+                }
+            }
+            if seq.num_computed < seq.tokens.len() {
+                continue; // mid-prefill chunk: nothing sampled yet
+            }
+            let index = seq.generated;
+            seq.tokens.push(filler_id(index));
+            seq.generated += 1;
+            seq.times.first_token.get_or_insert(now);
+            on_token(seq);
+            seq.times.last_token = Some(now);
+            let finish = (seq.generated >= seq.max_tokens).then_some(FinishReason::Length);
+            let event = TokenEvent {
+                index,
+                finish,
+                cached_tokens: seq.cached_at_admission as u32,
+            };
+            if seq.events.send(event).is_err() {
+                seq.gone = true;
+            } else if finish.is_some() {
+                done.push(seq.id);
+            }
+        }
+        let mut left = Vec::new();
+        let mut k = 0;
+        while k < self.running.len() {
+            let s = &self.running[k];
+            if s.gone || done.contains(&s.id) {
+                let seq = self.running.remove(k);
+                self.pool.free(&seq.blocks);
+                let reason = if seq.gone {
+                    None
+                } else {
+                    Some(FinishReason::Length)
+                };
+                left.push(Finished { seq, reason });
+            } else {
+                k += 1;
+            }
+        }
+        left
+    }
+
+    /// Removes request `id` wherever it is, freeing its blocks; None if it already left.
+    pub fn abort(&mut self, id: u64) -> Option<Seq> {
+        if let Some(k) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(k);
+            self.pool.free(&seq.blocks);
+            return Some(seq);
+        }
+        let k = self.waiting.iter().position(|s| s.id == id)?;
+        self.waiting.remove(k)
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;
