@@ -130,13 +130,13 @@ impl Sim {
     async fn run(
         self,
         listener: TcpListener,
+        admin: Option<TcpListener>,
         shutdown: impl Future<Output = ()>,
     ) -> io::Result<()> {
         let engine = AbortOnDrop(tokio::spawn(self.engine));
         let (admin_stop, admin_rx) = watch::channel(());
-        let _admin = match self.state.config.admin_port {
-            Some(port) => {
-                let admin = TcpListener::bind((self.state.config.host.as_str(), port)).await?;
+        let _admin = match admin {
+            Some(admin) => {
                 let mut rx = admin_rx.clone();
                 let app = api::admin_router(self.state.clone());
                 // The admin port has its own (never-set) faults: it must stay reachable.
@@ -173,8 +173,23 @@ pub async fn serve(
     config: SimConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    let admin = match config.admin_port {
+        Some(port) => Some(TcpListener::bind((config.host.as_str(), port)).await?),
+        None => None,
+    };
+    serve_with_admin(listener, admin, config, shutdown).await
+}
+
+/// Like [`serve`], with the admin listener (`/health`, `/sim/*`) bound by the caller, so it
+/// can be bound to port 0 and its address printed. `config.admin_port` is ignored.
+pub async fn serve_with_admin(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: SimConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
     let sim = Sim::build(config, listener.local_addr()?)?;
-    sim.run(listener, shutdown).await
+    sim.run(listener, admin, shutdown).await
 }
 
 /// A simulator running in a background task; it stops when dropped or on [`shutdown`].
@@ -183,23 +198,32 @@ pub async fn serve(
 #[derive(Debug)]
 pub struct SimHandle {
     addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     state: AppState,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<io::Result<()>>>,
 }
 
-/// Starts a simulator on 127.0.0.1:0 (`config.host` and `config.port` are ignored).
+/// Starts a simulator on 127.0.0.1:0 (`config.host` and `config.port` are ignored; with
+/// `config.admin_port` set, the admin port is also bound on 127.0.0.1:0, see
+/// [`SimHandle::admin_addr`]).
 pub async fn spawn(config: SimConfig) -> io::Result<SimHandle> {
     let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
     let addr = listener.local_addr()?;
+    let admin = match config.admin_port {
+        Some(_) => Some(TcpListener::bind(("127.0.0.1", 0)).await?),
+        None => None,
+    };
+    let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
     let sim = Sim::build(config, addr)?;
     let state = sim.state.clone();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(sim.run(listener, async move {
+    let task = tokio::spawn(sim.run(listener, admin, async move {
         let _ = stopped.await;
     }));
     Ok(SimHandle {
         addr,
+        admin_addr,
         state,
         stop: Some(stop),
         task: Some(task),
@@ -223,6 +247,12 @@ impl SimHandle {
     /// `http://127.0.0.1:PORT`
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Address of the admin port (only when `config.admin_port` was set); it keeps answering
+    /// `/health` and `/sim/*` while the main port refuses connections.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
     }
 
     /// Runtime fault control.

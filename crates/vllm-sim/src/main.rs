@@ -48,14 +48,23 @@ async fn run(config: SimConfig) -> std::io::Result<()> {
         c.admin_port = config.admin_port.map(|p| nth_port(p, i)).transpose()?;
         let listener = TcpListener::bind((c.host.as_str(), c.port)).await?;
         let addr = listener.local_addr()?;
-        match c.admin_port {
-            Some(p) => println!("http://{addr} (admin: http://{}:{p})", c.host),
+        let admin = match c.admin_port {
+            Some(p) => Some(TcpListener::bind((c.host.as_str(), p)).await?),
+            None => None,
+        };
+        match admin.as_ref().map(TcpListener::local_addr).transpose()? {
+            Some(a) => println!("http://{addr} admin=http://{a}"),
             None => println!("http://{addr}"),
         }
         let mut rx = stop_rx.clone();
-        servers.push(tokio::spawn(vllm_sim::serve(listener, c, async move {
-            let _ = rx.changed().await;
-        })));
+        servers.push(tokio::spawn(vllm_sim::serve_with_admin(
+            listener,
+            admin,
+            c,
+            async move {
+                let _ = rx.changed().await;
+            },
+        )));
     }
     tracing::info!(
         servers = config.fleet,
