@@ -63,8 +63,12 @@ pub struct Config {
     pub backend_header: String,
     /// Request header whose value identifies a client session (optional affinity input).
     pub session_header: String,
+    pub server: ServerConfig,
     pub poller: PollerConfig,
     pub forward: ForwardConfig,
+    pub limits: LimitsConfig,
+    pub outlier_detection: OutlierConfig,
+    pub auth: AuthConfig,
     /// Extra engines (metric name sets) beside the built-in `vllm` and `sglang`.
     pub engines: BTreeMap<String, EngineMetricNames>,
     pub backends: Vec<BackendConfig>,
@@ -84,8 +88,12 @@ impl Default for Config {
             max_body_bytes: 32 * 1024 * 1024,
             backend_header: "x-inferlb-backend".into(),
             session_header: "x-session-id".into(),
+            server: ServerConfig::default(),
             poller: PollerConfig::default(),
             forward: ForwardConfig::default(),
+            limits: LimitsConfig::default(),
+            outlier_detection: OutlierConfig::default(),
+            auth: AuthConfig::default(),
             engines: BTreeMap::new(),
             backends: Vec::new(),
             plugins: Vec::new(),
@@ -93,6 +101,97 @@ impl Default for Config {
             profile: None,
         }
     }
+}
+
+/// The front door's connection handling.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// A client must send its request headers within this time.
+    pub header_read_timeout_ms: u64,
+    /// A client must send its whole request body within this time (408 otherwise).
+    pub body_read_timeout_ms: u64,
+    /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
+    pub shutdown_timeout_ms: u64,
+    /// Deepest JSON nesting accepted in a request body (400 above it).
+    pub max_json_depth: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            shutdown_timeout_ms: 30_000,
+            max_json_depth: 64,
+        }
+    }
+}
+
+/// Concurrency limits and the router-side queue.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Requests in flight through the router at once (0 = no limit).
+    pub max_inflight: usize,
+    /// Requests in flight to one backend at once (0 = no limit).
+    pub max_inflight_per_backend: u64,
+    /// Requests allowed to wait for capacity; more get 429 at once.
+    pub max_queued: usize,
+    /// How long a request may wait for capacity before 429.
+    pub queue_timeout_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_inflight: 0,
+            max_inflight_per_backend: 0,
+            max_queued: 1024,
+            queue_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// Passive health: eject a backend that keeps failing requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutlierConfig {
+    /// Consecutive connect failures or 5xx answers that eject a backend (0 = off).
+    pub consecutive_failures: u32,
+    /// First ejection length; each further ejection doubles it.
+    pub base_ejection_ms: u64,
+    pub max_ejection_ms: u64,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> Self {
+        OutlierConfig {
+            consecutive_failures: 5,
+            base_ejection_ms: 5_000,
+            max_ejection_ms: 300_000,
+        }
+    }
+}
+
+/// Client authentication and per-key rate limits.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Accepted bearer tokens. Authentication is on when any key is configured.
+    pub api_keys: Vec<String>,
+    /// A file with one key per line (`#` comments allowed).
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Name of an environment variable holding comma-separated keys.
+    pub api_keys_env: Option<String>,
+    /// Bearer token required on `/metrics` and `/admin/*` (unset = open).
+    pub admin_token: Option<String>,
+    /// Sustained requests per second per key (0 = unlimited).
+    pub requests_per_second: f64,
+    /// Burst size per key (0 = same as `requests_per_second`, at least 1).
+    pub burst: f64,
+    /// Requests in flight per key (0 = unlimited).
+    pub max_concurrent_per_key: usize,
 }
 
 /// The metrics and model poller.
@@ -158,6 +257,20 @@ pub struct ForwardConfig {
     pub pool_idle_timeout_ms: u64,
     /// Forward the client's `Authorization` header to backends that have no `api_key`.
     pub forward_client_authorization: bool,
+    /// Longest silence between two chunks of a streaming response before it is cut.
+    pub stream_idle_timeout_ms: u64,
+    /// Longest a whole request may take, response body included (0 = no limit).
+    pub request_timeout_ms: u64,
+    /// Retry on another backend when a backend answers 5xx or 429 (before any byte reached
+    /// the client), not only when it cannot be reached.
+    pub retry_on_status: bool,
+    /// Retries allowed as a fraction of requests, so retries cannot multiply load in an outage.
+    pub retry_budget_ratio: f64,
+    /// Retries always allowed on top of the ratio (a reserve that refills with traffic).
+    pub retry_budget_min: u32,
+    /// Backoff before retry n: min(max, base × 2ⁿ) × a random factor in [0.5, 1.5).
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
 }
 
 impl Default for ForwardConfig {
@@ -169,6 +282,13 @@ impl Default for ForwardConfig {
             pool_max_idle_per_backend: 256,
             pool_idle_timeout_ms: 90_000,
             forward_client_authorization: false,
+            stream_idle_timeout_ms: 120_000,
+            request_timeout_ms: 1_800_000,
+            retry_on_status: true,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 10,
+            backoff_base_ms: 20,
+            backoff_max_ms: 500,
         }
     }
 }
@@ -301,6 +421,53 @@ impl Config {
             return Err(ConfigError::invalid(
                 "poller",
                 "unhealthy_after and healthy_after must be at least 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.forward.retry_budget_ratio) {
+            return Err(ConfigError::invalid(
+                "forward.retry_budget_ratio",
+                "must be within 0..1",
+            ));
+        }
+        if !(self.auth.requests_per_second >= 0.0 && self.auth.requests_per_second.is_finite()) {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be a number ≥ 0",
+            ));
+        }
+        if !(self.auth.burst >= 0.0 && self.auth.burst.is_finite()) {
+            return Err(ConfigError::invalid("auth.burst", "must be a number ≥ 0"));
+        }
+        for (field, v) in [
+            (
+                "server.header_read_timeout_ms",
+                self.server.header_read_timeout_ms,
+            ),
+            (
+                "server.body_read_timeout_ms",
+                self.server.body_read_timeout_ms,
+            ),
+            (
+                "forward.connect_timeout_ms",
+                self.forward.connect_timeout_ms,
+            ),
+            (
+                "forward.response_timeout_ms",
+                self.forward.response_timeout_ms,
+            ),
+            (
+                "forward.stream_idle_timeout_ms",
+                self.forward.stream_idle_timeout_ms,
+            ),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::invalid(field, "must be greater than 0"));
+            }
+        }
+        if self.server.max_json_depth == 0 {
+            return Err(ConfigError::invalid(
+                "server.max_json_depth",
+                "must be at least 1",
             ));
         }
         if self.forward.max_attempts == 0 {

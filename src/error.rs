@@ -35,6 +35,21 @@ pub enum Error {
     /// The backend did not send response headers in time.
     #[error("upstream {backend} did not answer within {timeout_ms} ms")]
     UpstreamTimeout { backend: String, timeout_ms: u64 },
+    /// The client did not send its body in time.
+    #[error("the request body was not received within {0} ms")]
+    BodyTimeout(u64),
+    /// Missing or wrong API key.
+    #[error("invalid or missing API key: send `Authorization: Bearer <key>`")]
+    Unauthorized,
+    /// Over a rate or concurrency limit, or the router-side queue is full or timed out.
+    #[error("{reason}; retry after {retry_after_secs} s")]
+    TooManyRequests {
+        reason: String,
+        retry_after_secs: u64,
+    },
+    /// Every eligible backend is at its in-flight limit (the scheduler queues on this).
+    #[error("every eligible backend is at its concurrency limit")]
+    Saturated,
     /// No route matches the path.
     #[error("no route for {0}")]
     NotFound(String),
@@ -77,6 +92,21 @@ impl Error {
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream_error",
                 Some("upstream_timeout"),
+            ),
+            Error::BodyTimeout(_) => (
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("request_timeout"),
+            ),
+            Error::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                Some("invalid_api_key"),
+            ),
+            Error::TooManyRequests { .. } | Error::Saturated => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
             ),
             Error::NotFound(_) => (
                 StatusCode::NOT_FOUND,
@@ -140,11 +170,26 @@ impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let (status, kind, code) = self.parts();
         let body = openai_error_body(self.to_string(), kind, self.param(), code);
+        let retry_after = match &self {
+            Error::TooManyRequests {
+                retry_after_secs, ..
+            } => Some(*retry_after_secs),
+            Error::NoHealthyBackend(_) | Error::Saturated => Some(1),
+            _ => None,
+        };
+        let unauthorized = matches!(self, Error::Unauthorized);
         let mut response = (status, body).into_response();
-        response.headers_mut().insert(
+        let headers = response.headers_mut();
+        headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if unauthorized {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         response
     }
 }
@@ -178,6 +223,16 @@ mod tests {
             ),
             (Error::NotFound("/x".into()), 404),
             (Error::MethodNotAllowed("GET".into()), 405),
+            (Error::BodyTimeout(5), 408),
+            (Error::Saturated, 429),
+            (Error::Unauthorized, 401),
+            (
+                Error::TooManyRequests {
+                    reason: "busy".into(),
+                    retry_after_secs: 1,
+                },
+                429,
+            ),
             (Error::Internal("x".into()), 500),
         ];
         for (err, status) in cases {

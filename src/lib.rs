@@ -100,8 +100,16 @@ pub async fn run(
         .map_err(|_| ConfigError::invalid("session_header", "not a valid header name"))?;
     let scheduler = Arc::new(Scheduler::new(Arc::clone(&pool), profile));
     let service = tower::ServiceBuilder::new()
-        .layer(SchedulerLayer::new(scheduler, config.forward.max_attempts))
-        .service(Forwarder::new(&config.forward, backend_header));
+        .layer(SchedulerLayer::new(
+            scheduler,
+            &config.forward,
+            &config.limits,
+        ))
+        .service(Forwarder::new(
+            &config.forward,
+            &config.outlier_detection,
+            backend_header,
+        ));
     let state = Arc::new(AppState {
         config: Arc::clone(&config),
         pool,
@@ -112,32 +120,35 @@ pub async fn run(
 
     let main_addr = listeners.main.local_addr()?;
     tracing::info!(%main_addr, "inferlb listening");
+    let options = front_door::serve::ServeOptions {
+        header_read_timeout: Duration::from_millis(config.server.header_read_timeout_ms),
+        shutdown_timeout: Duration::from_millis(config.server.shutdown_timeout_ms),
+    };
     let main_router = front_door::router(Arc::clone(&state), listeners.admin.is_none());
     let admin = listeners.admin.map(|listener| {
         let router = front_door::admin_router(Arc::clone(&state));
         let mut stop = stop_rx.clone();
-        tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.changed().await;
-                })
-                .await
-        })
+        tokio::spawn(front_door::serve::serve(
+            listener,
+            router,
+            options,
+            async move {
+                let _ = stop.changed().await;
+            },
+        ))
     });
     let mut stop = stop_rx;
-    let served = axum::serve(listeners.main, main_router).with_graceful_shutdown(async move {
+    let drained = front_door::serve::serve(listeners.main, main_router, options, async move {
         tokio::select! {
             _ = shutdown => {}
             _ = stop.changed() => {}
         }
-    });
-    let result = served.await;
+    })
+    .await;
     let _ = stop_tx.send(true);
     if let Some(admin) = admin {
-        if let Ok(Err(e)) = admin.await {
-            tracing::warn!(error = %e, "admin listener failed");
-        }
+        let _ = admin.await;
     }
-    tracing::info!("inferlb stopped");
-    result.map_err(RunError::Io)
+    tracing::info!(drained, "inferlb stopped");
+    Ok(())
 }

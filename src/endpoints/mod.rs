@@ -7,6 +7,7 @@
 //! and is the one signal that is fresh between two polls.
 
 pub mod engine;
+pub mod passive;
 pub mod poller;
 pub mod prometheus;
 
@@ -121,6 +122,9 @@ pub struct Backend {
     pub static_models: bool,
     state: ArcSwap<BackendState>,
     inflight: AtomicU64,
+    passive: passive::PassiveHealth,
+    /// Pool-wide signal that some backend released in-flight capacity.
+    freed: Arc<tokio::sync::Notify>,
 }
 
 impl Backend {
@@ -128,6 +132,7 @@ impl Backend {
         id: usize,
         config: &BackendConfig,
         engine: EngineMetricNames,
+        freed: Arc<tokio::sync::Notify>,
     ) -> Result<Self, ConfigError> {
         let (scheme, authority) = parse_base_url(&config.url)
             .map_err(|m| ConfigError::invalid(format!("backends[{id}].url"), m))?;
@@ -156,6 +161,8 @@ impl Backend {
             static_models: config.models.is_some(),
             state: ArcSwap::from_pointee(BackendState::initial(config.models.as_deref())),
             inflight: AtomicU64::new(0),
+            passive: passive::PassiveHealth::default(),
+            freed,
         })
     }
 
@@ -169,6 +176,11 @@ impl Backend {
         self.state.store(Arc::new(state));
     }
 
+    /// Outlier detection from forwarding results.
+    pub fn passive(&self) -> &passive::PassiveHealth {
+        &self.passive
+    }
+
     pub fn inflight(&self) -> u64 {
         self.inflight.load(Ordering::Relaxed)
     }
@@ -178,9 +190,12 @@ impl Backend {
     }
 
     pub(crate) fn inflight_sub(&self) -> u64 {
-        self.inflight
+        let n = self
+            .inflight
             .fetch_sub(1, Ordering::Relaxed)
-            .saturating_sub(1)
+            .saturating_sub(1);
+        self.freed.notify_waiters();
+        n
     }
 
     /// `scheme://authority` + `path_and_query`.
@@ -198,10 +213,12 @@ impl Backend {
 pub struct Pool {
     backends: Vec<Arc<Backend>>,
     stale_after: Duration,
+    freed: Arc<tokio::sync::Notify>,
 }
 
 impl Pool {
     pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
+        let freed = Arc::new(tokio::sync::Notify::new());
         let backends = config
             .backends
             .iter()
@@ -213,12 +230,13 @@ impl Pool {
                         format!("unknown engine `{}`", b.engine),
                     )
                 })?;
-                Backend::new(i, b, engine).map(Arc::new)
+                Backend::new(i, b, engine, Arc::clone(&freed)).map(Arc::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Pool {
             backends,
             stale_after: config.poller.stale_after(),
+            freed,
         })
     }
 
@@ -228,6 +246,11 @@ impl Pool {
 
     pub fn stale_after(&self) -> Duration {
         self.stale_after
+    }
+
+    /// Notified whenever any backend's in-flight count drops.
+    pub fn capacity_freed(&self) -> &tokio::sync::Notify {
+        &self.freed
     }
 
     pub fn any_healthy(&self) -> bool {
@@ -249,6 +272,7 @@ impl Pool {
                     inflight: backend.inflight(),
                     state,
                     fresh,
+                    ejected: backend.passive.is_ejected(),
                 }
             })
             .collect()
@@ -263,6 +287,8 @@ pub struct Candidate<'a> {
     /// The router's own in-flight count at decision time.
     pub inflight: u64,
     fresh: bool,
+    /// Passively ejected by outlier detection at decision time.
+    pub ejected: bool,
 }
 
 impl<'a> Candidate<'a> {
@@ -290,6 +316,7 @@ impl<'a> Candidate<'a> {
             state: Arc::new(state),
             inflight,
             fresh,
+            ejected: false,
         }
     }
 }
@@ -305,7 +332,13 @@ pub(crate) mod test_support {
             .map(|i| {
                 let cfg = BackendConfig::from_url(format!("http://127.0.0.1:{}", 10_000 + i));
                 Arc::new(
-                    Backend::new(i, &cfg, EngineMetricNames::builtin("vllm").unwrap()).unwrap(),
+                    Backend::new(
+                        i,
+                        &cfg,
+                        EngineMetricNames::builtin("vllm").unwrap(),
+                        Default::default(),
+                    )
+                    .unwrap(),
                 )
             })
             .collect()

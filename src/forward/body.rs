@@ -2,43 +2,78 @@
 //!
 //! [`GuardedBody`] wraps the backend's body and holds the request's in-flight guard, so the
 //! backend's in-flight count is released exactly when the body ends, fails, or is dropped
-//! because the client went away — and dropping it also drops the upstream connection's body,
-//! which makes vLLM abort the generation and free its KV blocks. It also times the first byte
-//! and the whole response.
+//! because the client went away — and dropping it also drops the upstream body, which closes
+//! the backend connection and makes vLLM abort the generation and free its KV blocks.
+//!
+//! It also enforces two deadlines: the longest silence between chunks and the end of the
+//! whole request. When a Server-Sent-Events stream breaks (backend error, cut connection,
+//! deadline, or an end without `data: [DONE]`), the client gets a final `data: {"error":…}`
+//! event and a clean end of stream instead of a hang or a torn connection.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
 
+use crate::error::openai_error_body;
 use crate::scheduling::framework::Outcome;
 use crate::scheduling::InflightGuard;
 use crate::telemetry as t;
 
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Time limits of one response body.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    pub idle: Duration,
+    /// End of the whole request, if bounded.
+    pub deadline: Option<Instant>,
+}
+
 pub struct GuardedBody {
     inner: Incoming,
     guard: Option<InflightGuard>,
-    received_at: Instant,
+    received_at: std::time::Instant,
     first_byte_seen: bool,
     error_status: bool,
+    /// The response is an SSE stream: failures become a final error event.
+    sse: bool,
+    /// The last bytes seen, to tell whether an SSE stream ended with `[DONE]`.
+    tail: [u8; 16],
+    tail_len: usize,
+    limits: BodyLimits,
+    timer: Pin<Box<Sleep>>,
+    /// Set once the final error event has been sent; the next poll ends the stream.
+    closed: bool,
 }
 
 impl GuardedBody {
     pub fn new(
         inner: Incoming,
         guard: InflightGuard,
-        received_at: Instant,
+        received_at: std::time::Instant,
         error_status: bool,
+        sse: bool,
+        limits: BodyLimits,
     ) -> Self {
+        let timer = Box::pin(tokio::time::sleep_until(next_wake(&limits)));
         GuardedBody {
             inner,
             guard: Some(guard),
             received_at,
             first_byte_seen: false,
             error_status,
+            sse,
+            tail: [0; 16],
+            tail_len: 0,
+            limits,
+            timer,
+            closed: false,
         }
     }
 
@@ -50,29 +85,88 @@ impl GuardedBody {
             guard.set_outcome(outcome);
         }
     }
+
+    fn remember_tail(&mut self, data: &[u8]) {
+        const N: usize = 16;
+        if data.len() >= N {
+            self.tail.copy_from_slice(&data[data.len() - N..]);
+            self.tail_len = N;
+        } else {
+            let keep = (N - data.len()).min(self.tail_len);
+            self.tail
+                .copy_within(self.tail_len - keep..self.tail_len, 0);
+            self.tail[keep..keep + data.len()].copy_from_slice(data);
+            self.tail_len = keep + data.len();
+        }
+    }
+
+    fn saw_done(&self) -> bool {
+        let tail = &self.tail[..self.tail_len];
+        let trimmed = tail
+            .iter()
+            .rposition(|b| !b.is_ascii_whitespace())
+            .map_or(&tail[..0], |i| &tail[..=i]);
+        trimmed.ends_with(b"[DONE]")
+    }
+
+    /// End the response because of `reason`: an error event for SSE, an error otherwise.
+    fn fail(&mut self, reason: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::warn!(error = %reason, "response stream broken");
+        self.finish(Outcome::Failed);
+        if self.sse {
+            self.closed = true;
+            let body =
+                openai_error_body(reason, "upstream_error", None, Some("stream_interrupted"));
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
+                "data: {body}\n\n"
+            ))))))
+        } else {
+            self.closed = true;
+            Poll::Ready(Some(Err(reason.into())))
+        }
+    }
+}
+
+fn next_wake(limits: &BodyLimits) -> Instant {
+    let idle = Instant::now() + limits.idle;
+    limits.deadline.map_or(idle, |d| d.min(idle))
 }
 
 impl Body for GuardedBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
+        if this.closed {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if !this.first_byte_seen && frame.data_ref().is_some_and(|d| !d.is_empty()) {
-                    this.first_byte_seen = true;
-                    if let Some(guard) = &this.guard {
-                        metrics::histogram!(t::TIME_TO_FIRST_BYTE, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
-                            .record(this.received_at.elapsed().as_secs_f64());
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() {
+                        if !this.first_byte_seen {
+                            this.first_byte_seen = true;
+                            if let Some(guard) = &this.guard {
+                                metrics::histogram!(t::TIME_TO_FIRST_BYTE, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
+                                    .record(this.received_at.elapsed().as_secs_f64());
+                            }
+                        }
+                        if this.sse {
+                            let data = data.clone();
+                            this.remember_tail(&data);
+                        }
                     }
                 }
+                let wake = next_wake(&this.limits);
+                this.timer.as_mut().reset(wake);
                 // A server may stop polling once the body says it has ended; settle now.
-                if this.inner.is_end_stream() {
+                if this.inner.is_end_stream()
+                    && !(this.sse && !this.saw_done() && !this.error_status)
+                {
                     let outcome = if this.error_status {
                         Outcome::Failed
                     } else {
@@ -80,26 +174,43 @@ impl Body for GuardedBody {
                     };
                     this.finish(outcome);
                 }
+                Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                tracing::warn!(error = %e, "backend response body failed");
-                this.finish(Outcome::Failed);
+                this.fail(format!("the backend's response broke off: {e}"))
             }
             Poll::Ready(None) => {
+                if this.sse && !this.error_status && this.guard.is_some() && !this.saw_done() {
+                    return this.fail("the backend ended the stream before [DONE]".into());
+                }
                 let outcome = if this.error_status {
                     Outcome::Failed
                 } else {
                     Outcome::Success
                 };
                 this.finish(outcome);
+                Poll::Ready(None)
             }
-            Poll::Pending => {}
+            Poll::Pending => match this.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    let past_deadline = this.limits.deadline.is_some_and(|d| Instant::now() >= d);
+                    let reason = if past_deadline {
+                        "the request took longer than its time limit".to_owned()
+                    } else {
+                        format!(
+                            "the backend sent nothing for {} ms",
+                            this.limits.idle.as_millis()
+                        )
+                    };
+                    this.fail(reason)
+                }
+                Poll::Pending => Poll::Pending,
+            },
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.closed || (self.inner.is_end_stream() && !self.sse)
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -23,7 +23,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use crate::config::ForwardConfig;
+use crate::config::{ForwardConfig, OutlierConfig};
 use crate::endpoints::Backend;
 use crate::error::Error;
 use crate::prompt::RequestView;
@@ -56,12 +56,15 @@ pub struct Dispatch {
 pub struct Forwarder {
     client: Client<HttpConnector, Full<Bytes>>,
     response_timeout: Duration,
+    stream_idle_timeout: Duration,
+    request_timeout: Option<Duration>,
     forward_client_authorization: bool,
     backend_header: HeaderName,
+    outlier: OutlierConfig,
 }
 
 impl Forwarder {
-    pub fn new(cfg: &ForwardConfig, backend_header: HeaderName) -> Self {
+    pub fn new(cfg: &ForwardConfig, outlier: &OutlierConfig, backend_header: HeaderName) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
         connector.set_nodelay(true);
@@ -72,8 +75,12 @@ impl Forwarder {
         Forwarder {
             client,
             response_timeout: Duration::from_millis(cfg.response_timeout_ms),
+            stream_idle_timeout: Duration::from_millis(cfg.stream_idle_timeout_ms),
+            request_timeout: (cfg.request_timeout_ms > 0)
+                .then(|| Duration::from_millis(cfg.request_timeout_ms)),
             forward_client_authorization: cfg.forward_client_authorization,
             backend_header,
+            outlier: outlier.clone(),
         }
     }
 
@@ -123,11 +130,18 @@ impl tower::Service<Dispatch> for Forwarder {
                 backend,
                 mut guard,
             } = d;
-            let sent =
-                tokio::time::timeout(this.response_timeout, this.client.request(request)).await;
+            let deadline = this
+                .request_timeout
+                .map(|t| tokio::time::Instant::from_std(original.received_at + t));
+            let headers_by = {
+                let by = tokio::time::Instant::now() + this.response_timeout;
+                deadline.map_or(by, |d| d.min(by))
+            };
+            let sent = tokio::time::timeout_at(headers_by, this.client.request(request)).await;
             let response = match sent {
                 Err(_) => {
                     attempt_failed(&backend, "timeout");
+                    backend.passive().record_failure(&this.outlier);
                     guard.set_outcome(Outcome::Failed);
                     return Err(Error::UpstreamTimeout {
                         backend: backend.name.clone(),
@@ -136,6 +150,9 @@ impl tower::Service<Dispatch> for Forwarder {
                 }
                 Ok(Err(e)) => {
                     attempt_failed(&backend, if e.is_connect() { "connect" } else { "io" });
+                    if backend.passive().record_failure(&this.outlier) {
+                        tracing::warn!(backend = %backend.name, "backend ejected after consecutive failures");
+                    }
                     guard.set_outcome(Outcome::Failed);
                     let reason = std::error::Error::source(&e)
                         .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
@@ -147,6 +164,13 @@ impl tower::Service<Dispatch> for Forwarder {
                 Ok(Ok(response)) => response,
             };
             let (mut parts, incoming) = response.into_parts();
+            if parts.status.is_server_error() {
+                if backend.passive().record_failure(&this.outlier) {
+                    tracing::warn!(backend = %backend.name, "backend ejected after consecutive failures");
+                }
+            } else {
+                backend.passive().record_success();
+            }
             metrics::counter!(
                 t::REQUESTS_TOTAL,
                 "backend" => backend.name.clone(),
@@ -162,7 +186,23 @@ impl tower::Service<Dispatch> for Forwarder {
                 .headers
                 .insert("x-request-id", original.request_id.clone());
             let error_status = parts.status.is_server_error();
-            let body = body::GuardedBody::new(incoming, guard, original.received_at, error_status);
+            let sse = parts
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            let limits = body::BodyLimits {
+                idle: this.stream_idle_timeout,
+                deadline,
+            };
+            let body = body::GuardedBody::new(
+                incoming,
+                guard,
+                original.received_at,
+                error_status,
+                sse,
+                limits,
+            );
             Ok(Response::from_parts(parts, Body::new(body)))
         })
     }

@@ -19,6 +19,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceExt;
 
+pub mod serve;
+
 use crate::config::Config;
 use crate::endpoints::Pool;
 use crate::error::Error;
@@ -108,7 +110,19 @@ async fn forward(
     received_at: Instant,
 ) -> Result<Response, Error> {
     let (parts, body) = req.into_parts();
-    let body = read_body(body, &parts.headers, app.config.max_body_bytes).await?;
+    let server = &app.config.server;
+    let body = tokio::time::timeout(
+        std::time::Duration::from_millis(server.body_read_timeout_ms),
+        read_body(body, &parts.headers, app.config.max_body_bytes),
+    )
+    .await
+    .map_err(|_| Error::BodyTimeout(server.body_read_timeout_ms))??;
+    if crate::prompt::json_depth(&body) > server.max_json_depth {
+        return Err(Error::InvalidRequest(format!(
+            "JSON nesting is deeper than the limit of {}",
+            server.max_json_depth
+        )));
+    }
     let session = parts
         .headers
         .get(&app.session_header)

@@ -24,6 +24,33 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
 
+/// Deepest nesting of arrays and objects in `body`, counting only brackets outside strings.
+/// A linear scan that lets the front door refuse pathological bodies before parsing them.
+pub fn json_depth(body: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in body {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
 /// Which OpenAI operation the request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {

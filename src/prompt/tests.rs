@@ -181,3 +181,13 @@ fn other_operations_read_model_only() {
     assert_eq!(empty.model, None);
     assert!(RequestView::parse(Operation::Other, b"{oops").is_err());
 }
+
+#[test]
+fn json_depth_counts_outside_strings() {
+    assert_eq!(json_depth(b"{}"), 1);
+    assert_eq!(json_depth(br#"{"a":[{"b":[1]}]}"#), 4);
+    assert_eq!(json_depth(br#"{"a":"[[[[{{{{"}"#), 1);
+    assert_eq!(json_depth(br#"{"a":"\"[[["}"#), 1);
+    assert_eq!(json_depth(b"plain"), 0);
+    assert_eq!(json_depth(&b"[".repeat(1000)), 1000);
+}

@@ -7,24 +7,20 @@
 //! * this module — [`Scheduler`] (one decision), [`SchedulerLayer`] (the tower layer that
 //!   wraps forwarding and retries connection failures elsewhere) and [`InflightGuard`].
 
+pub mod admission;
 pub mod framework;
+pub mod layer;
 pub mod plugins;
 pub mod profile;
 pub mod registry;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Instant;
+pub use layer::{RetryPolicy, SchedulerLayer, SchedulerService};
 
-use axum::body::Body;
-use http::Response;
-use tower::{Layer, Service, ServiceExt};
+use std::sync::Arc;
+use std::time::Instant;
 
 use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
-use crate::forward::{Dispatch, ProxyRequest};
 use crate::prompt::RequestView;
 use crate::telemetry as t;
 use framework::Outcome;
@@ -56,7 +52,7 @@ impl Scheduler {
             candidates.retain(|c| !exclude.contains(&c.backend.id));
         }
         let Some(decision) = self.profile.run(request, &mut candidates) else {
-            return Err(self.why_none(request));
+            return Err(self.why_none(request, exclude));
         };
         let backend = Arc::clone(candidates[decision.index].backend);
         for plugin in self.profile.plugins() {
@@ -65,8 +61,23 @@ impl Scheduler {
         Ok(backend)
     }
 
-    /// 404 when no backend has ever listed the model, 503 when some do but none is eligible.
-    fn why_none(&self, request: &RequestView) -> Error {
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// Saturated when eligible backends exist but all are at their in-flight limit; else 404
+    /// when no backend has ever listed the model, 503 when some do but none is eligible.
+    fn why_none(&self, request: &RequestView, exclude: &[usize]) -> Error {
+        let eligible = self.pool.backends().iter().any(|b| {
+            let s = b.state();
+            !exclude.contains(&b.id)
+                && s.healthy
+                && !b.passive().is_ejected()
+                && request.model.as_deref().is_none_or(|m| s.serves(m))
+        });
+        if eligible {
+            return Error::Saturated;
+        }
         let Some(model) = request.model.as_deref() else {
             return Error::NoHealthyBackend("(any)".into());
         };
@@ -123,96 +134,5 @@ impl Drop for InflightGuard {
         for plugin in self.profile.plugins() {
             plugin.on_complete(&self.view, &self.backend, self.outcome);
         }
-    }
-}
-
-/// The tower layer that puts scheduling in front of a forwarding service.
-#[derive(Clone)]
-pub struct SchedulerLayer {
-    scheduler: Arc<Scheduler>,
-    max_attempts: u32,
-}
-
-impl SchedulerLayer {
-    pub fn new(scheduler: Arc<Scheduler>, max_attempts: u32) -> Self {
-        SchedulerLayer {
-            scheduler,
-            max_attempts: max_attempts.max(1),
-        }
-    }
-}
-
-impl<S> Layer<S> for SchedulerLayer {
-    type Service = SchedulerService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        SchedulerService {
-            inner,
-            scheduler: Arc::clone(&self.scheduler),
-            max_attempts: self.max_attempts,
-        }
-    }
-}
-
-/// Schedules a [`ProxyRequest`] and hands the [`Dispatch`] to the inner service. A
-/// connection-level failure (nothing reached the client yet) is retried on another backend.
-#[derive(Clone)]
-pub struct SchedulerService<S> {
-    inner: S,
-    scheduler: Arc<Scheduler>,
-    max_attempts: u32,
-}
-
-impl<S> Service<ProxyRequest> for SchedulerService<S>
-where
-    S: Service<Dispatch, Response = Response<Body>, Error = Error> + Clone + Send + 'static,
-    S::Future: Send,
-{
-    type Response = Response<Body>;
-    type Error = Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: ProxyRequest) -> Self::Future {
-        let inner = self.inner.clone();
-        let scheduler = Arc::clone(&self.scheduler);
-        let max_attempts = self.max_attempts;
-        Box::pin(async move {
-            let request = Arc::new(request);
-            let mut excluded = Vec::new();
-            let mut last_error = None;
-            for _ in 0..max_attempts {
-                let started = Instant::now();
-                let picked = scheduler.schedule(&request.view, &excluded);
-                metrics::histogram!(t::SCHEDULING_DURATION).record(started.elapsed().as_secs_f64());
-                let backend = match picked {
-                    Ok(b) => b,
-                    // Nobody left to try: report the upstream failure, not the empty pool.
-                    Err(e) => return Err(last_error.unwrap_or(e)),
-                };
-                let guard = InflightGuard::new(
-                    Arc::clone(&backend),
-                    Arc::clone(scheduler.profile()),
-                    Arc::clone(&request.view),
-                );
-                let dispatch = Dispatch {
-                    request: Arc::clone(&request),
-                    backend: Arc::clone(&backend),
-                    guard,
-                };
-                match inner.clone().oneshot(dispatch).await {
-                    Err(e @ Error::Upstream { .. }) => {
-                        tracing::warn!(backend = %backend.name, error = %e, "attempt failed; trying another backend");
-                        excluded.push(backend.id);
-                        last_error = Some(e);
-                    }
-                    other => return other,
-                }
-            }
-            Err(last_error.unwrap_or_else(|| Error::Internal("no attempt was made".into())))
-        })
     }
 }

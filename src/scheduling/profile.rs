@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::framework::{CycleState, Filter, Picker, Plugin, Scorer};
-use super::plugins::filter::{healthy::HealthyFilter, model::ModelFilter};
+use super::plugins::filter::{
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
+};
 use super::plugins::picker::max_score::MaxScorePicker;
 use super::plugins::scorer::{
     inflight::InflightScorer, kv_cache_utilization::KvCacheUtilizationScorer,
@@ -165,7 +167,7 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
                 format!("duplicate profile name `{}`", spec.name),
             ));
         }
-        let profile = build_profile(pi, spec, &instances)?;
+        let profile = build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
         if spec.name == wanted {
             active = Some(Arc::new(profile));
         }
@@ -186,6 +188,7 @@ fn build_profile(
     pi: usize,
     spec: &ProfileSpec,
     instances: &HashMap<String, PluginInstance>,
+    max_inflight_per_backend: u64,
 ) -> Result<Profile, ConfigError> {
     let mut filters: Vec<Arc<dyn Filter>> = Vec::new();
     let mut scorers = Vec::new();
@@ -238,6 +241,18 @@ fn build_profile(
         mandatory.push(Arc::new(ModelFilter::new(ModelFilter::TYPE)));
     }
     mandatory.extend(filters);
+    // The hard per-backend limit comes last, so "everyone is full" can be told apart from
+    // "nobody is eligible" (the scheduler queues in the first case, fails in the second).
+    if max_inflight_per_backend > 0
+        && !mandatory
+            .iter()
+            .any(|f| f.type_name() == CapacityFilter::TYPE)
+    {
+        mandatory.push(Arc::new(CapacityFilter::new(
+            CapacityFilter::TYPE,
+            max_inflight_per_backend,
+        )));
+    }
     Ok(Profile {
         name: spec.name.clone(),
         filters: mandatory,

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use super::framework::{Filter, Picker, Plugin, Scorer};
 use super::plugins::filter::{
-    healthy::HealthyFilter, model::ModelFilter, saturation::SaturationFilter,
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
+    saturation::SaturationFilter,
 };
 use super::plugins::picker::{
     max_score::MaxScorePicker, random::RandomPicker, round_robin::RoundRobinPicker,
@@ -40,6 +41,7 @@ pub const TYPES: &[&str] = &[
     HealthyFilter::TYPE,
     ModelFilter::TYPE,
     SaturationFilter::TYPE,
+    CapacityFilter::TYPE,
     KvCacheUtilizationScorer::TYPE,
     QueueScorer::TYPE,
     InflightScorer::TYPE,

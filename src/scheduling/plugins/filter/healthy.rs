@@ -1,6 +1,8 @@
-//! `healthy-filter`: keeps only backends the poller currently considers healthy.
+//! `healthy-filter`: keeps only backends the poller considers healthy and that outlier
+//! detection has not ejected.
 //!
-//! Input: `BackendState::healthy` (consecutive scrape results). Always part of every profile.
+//! Inputs: `BackendState::healthy` (consecutive scrape results) and the passive ejection state
+//! (consecutive forwarding failures). Always part of every profile.
 
 use std::sync::Arc;
 
@@ -27,6 +29,6 @@ impl Plugin for HealthyFilter {
 
 impl Filter for HealthyFilter {
     fn filter(&self, _request: &RequestView, candidates: &mut Vec<Candidate<'_>>) {
-        candidates.retain(|c| c.state.healthy);
+        candidates.retain(|c| c.state.healthy && !c.ejected);
     }
 }

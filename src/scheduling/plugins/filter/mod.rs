@@ -1,4 +1,5 @@
 //! Filters: drop candidates that must not (or should not) serve a request.
+pub mod capacity;
 pub mod healthy;
 pub mod model;
 pub mod saturation;
