@@ -1,0 +1,316 @@
+//! `loadgen compare`: one seeded workload against a fresh simulated fleet per routing policy,
+//! summarised as one table.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use vllm_sim::SimConfig;
+
+use crate::arrival::Arrival;
+use crate::client::RequestOptions;
+use crate::report::{secs, Summary};
+use crate::router::{self, Launcher, Policy};
+use crate::runner::{self, RunConfig};
+use crate::workload::{Workload, WorkloadSpec};
+
+/// Fraction of the fleet's KV cache the workload's prefixes should need (llm-d's 73%).
+pub const CACHE_FRACTION: f64 = 0.73;
+
+/// Everything one comparison needs. Rates, durations and think time are in *simulated*
+/// time; the simulators run `time_scale` times faster than real time.
+#[derive(Clone)]
+pub struct CompareConfig {
+    pub name: String,
+    pub workload: WorkloadSpec,
+    pub seed: u64,
+    pub backends: usize,
+    pub block_size: usize,
+    /// KV blocks per backend; `None`: sized from `sizing_tokens` (see [`blocks_for`]).
+    pub num_gpu_blocks: Option<usize>,
+    /// Tokens the sizing formula must fit in `CACHE_FRACTION` of the fleet.
+    pub sizing_tokens: usize,
+    pub max_num_seqs: usize,
+    pub time_scale: f64,
+    pub arrival: Arrival,
+    pub max_requests: Option<u64>,
+    /// Simulated-time limit for sending.
+    pub duration: Duration,
+    pub think_time: Duration,
+    pub policies: Vec<Policy>,
+    pub launcher: Launcher,
+    pub results_dir: PathBuf,
+    pub ready_timeout: Duration,
+    /// Wall-clock time allowed to in-flight requests after sending stops.
+    pub drain_timeout: Duration,
+    pub progress: bool,
+}
+
+/// KV blocks per backend so that `tokens` fill `fraction` of `backends` caches:
+/// `ceil(tokens / fraction / backends / block_size)`.
+pub fn blocks_for(tokens: usize, fraction: f64, backends: usize, block_size: usize) -> usize {
+    let per_backend = tokens as f64 / fraction / backends.max(1) as f64;
+    (per_backend / block_size.max(1) as f64).ceil().max(1.0) as usize
+}
+
+/// One policy's result (or why it has none).
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub policy: String,
+    pub summary: Option<Summary>,
+    pub failure: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareOutput {
+    pub name: String,
+    pub workload: WorkloadSpec,
+    pub seed: u64,
+    pub backends: usize,
+    pub num_gpu_blocks: usize,
+    pub block_size: usize,
+    pub time_scale: f64,
+    pub arrival: Arrival,
+    pub max_hit_rate: Option<f64>,
+    pub rows: Vec<Row>,
+}
+
+/// Runs every policy in turn: cold fleet, router, workload, stop.
+pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
+    std::fs::create_dir_all(&cfg.results_dir)?;
+    let blocks = cfg.num_gpu_blocks.unwrap_or_else(|| {
+        blocks_for(
+            cfg.sizing_tokens,
+            CACHE_FRACTION,
+            cfg.backends,
+            cfg.block_size,
+        )
+    });
+    let sim = SimConfig {
+        block_size: cfg.block_size,
+        num_gpu_blocks: blocks,
+        max_num_seqs: cfg.max_num_seqs,
+        time_scale: cfg.time_scale,
+        ..SimConfig::default()
+    };
+    let model = sim.model_names().first().cloned().unwrap_or_default();
+    let workload = Arc::new(Workload::new(cfg.workload.clone(), cfg.seed));
+    let ts = cfg.time_scale;
+    let mut rows = Vec::new();
+    let mut max_hit_rate = None;
+    for policy in &cfg.policies {
+        eprintln!("[compare {}] policy {} …", cfg.name, policy.name());
+        let fleet = vllm_sim::spawn_fleet(cfg.backends, sim.clone()).await?;
+        let workers: Vec<String> = fleet.iter().map(|s| s.url()).collect();
+        let row = match router::start(
+            policy,
+            &cfg.launcher,
+            &workers,
+            &cfg.results_dir,
+            cfg.ready_timeout,
+        )
+        .await
+        {
+            Err(e) => Row {
+                policy: policy.name().into(),
+                summary: None,
+                failure: Some(e.to_string()),
+            },
+            Ok(r) => {
+                let run = RunConfig {
+                    label: format!("{}/{}", cfg.name, policy.name()),
+                    target: r.url.clone(),
+                    request: RequestOptions {
+                        model: model.clone(),
+                        stream: true,
+                        backend_header: "x-inferlb-backend".into(),
+                    },
+                    arrival: cfg.arrival.scaled(ts),
+                    max_requests: cfg.max_requests,
+                    duration: cfg.duration.div_f64(ts),
+                    drain_timeout: cfg.drain_timeout,
+                    think_time: cfg.think_time.div_f64(ts),
+                    request_timeout: cfg.drain_timeout + cfg.duration.div_f64(ts),
+                    backend_metrics: workers.clone(),
+                    sample_interval: Duration::from_millis(100),
+                    progress: cfg.progress,
+                    seed: cfg.seed,
+                    time_scale: ts,
+                    block_size: cfg.block_size,
+                };
+                let out = runner::run(run, Arc::clone(&workload)).await;
+                r.stop().await;
+                match out {
+                    Ok(out) => {
+                        if let Some(b) = &out.summary.max_hit {
+                            max_hit_rate = Some(b.rate());
+                        }
+                        Row {
+                            policy: policy.name().into(),
+                            summary: Some(out.summary),
+                            failure: None,
+                        }
+                    }
+                    Err(e) => Row {
+                        policy: policy.name().into(),
+                        summary: None,
+                        failure: Some(e.to_string()),
+                    },
+                }
+            }
+        };
+        for s in fleet {
+            s.shutdown().await;
+        }
+        if let Some(f) = &row.failure {
+            eprintln!("[compare {}] policy {} failed: {f}", cfg.name, row.policy);
+        }
+        rows.push(row);
+    }
+    Ok(CompareOutput {
+        name: cfg.name.clone(),
+        workload: cfg.workload.clone(),
+        seed: cfg.seed,
+        backends: cfg.backends,
+        num_gpu_blocks: blocks,
+        block_size: cfg.block_size,
+        time_scale: ts,
+        arrival: cfg.arrival.clone(),
+        max_hit_rate,
+        rows,
+    })
+}
+
+const HEADERS: [&str; 13] = [
+    "policy",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "TTFT mean",
+    "E2E p90",
+    "hit rate",
+    "hit/max",
+    "preempt",
+    "mean wait",
+    "share max/min",
+    "errors",
+];
+
+fn cells(row: &Row) -> Vec<String> {
+    let Some(s) = &row.summary else {
+        let mut v = vec![row.policy.clone()];
+        v.extend((1..HEADERS.len() - 1).map(|_| "-".to_string()));
+        v.push("failed (see notes)".into());
+        return v;
+    };
+    let fleet = s.fleet.as_ref();
+    vec![
+        row.policy.clone(),
+        format!("{:.0}", s.output_tokens_per_s),
+        secs(s.ttft.p50),
+        secs(s.ttft.p90),
+        secs(s.ttft.p99),
+        secs(s.ttft.mean),
+        secs(s.e2e.p90),
+        fleet.map_or("-".into(), |f| format!("{:.3}", f.hit_rate)),
+        s.hit_rate_vs_max.map_or("-".into(), |r| format!("{r:.2}")),
+        fleet.map_or("-".into(), |f| format!("{:.0}", f.preemptions)),
+        fleet.map_or("-".into(), |f| format!("{:.2}", f.mean_waiting)),
+        s.share_range().map_or("-".into(), |(a, b)| {
+            format!("{:.0}%/{:.0}%", a * 100.0, b * 100.0)
+        }),
+        s.errors_text(),
+    ]
+}
+
+impl CompareOutput {
+    /// The aligned plain-text table.
+    pub fn table(&self) -> String {
+        let rows: Vec<Vec<String>> = self.rows.iter().map(cells).collect();
+        let mut widths: Vec<usize> = HEADERS.iter().map(|h| h.chars().count()).collect();
+        for r in &rows {
+            for (w, c) in widths.iter_mut().zip(r) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let mut s = String::new();
+        let line = |s: &mut String, r: Vec<String>| {
+            let parts: Vec<String> = r
+                .iter()
+                .zip(&widths)
+                .enumerate()
+                .map(|(i, (c, w))| {
+                    let pad = w.saturating_sub(c.chars().count());
+                    if i == 0 {
+                        format!("{c}{}", " ".repeat(pad))
+                    } else {
+                        format!("{}{c}", " ".repeat(pad))
+                    }
+                })
+                .collect();
+            let _ = writeln!(s, "{}", parts.join("  "));
+        };
+        line(&mut s, HEADERS.iter().map(|h| h.to_string()).collect());
+        for r in rows {
+            line(&mut s, r);
+        }
+        s.push_str(&self.notes());
+        s
+    }
+
+    /// The same table in Markdown.
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "| {} |", HEADERS.join(" | "));
+        let _ = writeln!(s, "|{}", " --- |".repeat(HEADERS.len()));
+        for r in &self.rows {
+            let _ = writeln!(s, "| {} |", cells(r).join(" | "));
+        }
+        s.push('\n');
+        s.push_str(&self.notes());
+        s
+    }
+
+    fn notes(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{} backends × {} KV blocks of {} tokens; times in simulated seconds (time scale {}); \
+             max achievable hit rate {}.",
+            self.backends,
+            self.num_gpu_blocks,
+            self.block_size,
+            self.time_scale,
+            self.max_hit_rate.map_or("-".into(), |r| format!("{r:.3}"))
+        );
+        for r in &self.rows {
+            if let Some(f) = &r.failure {
+                let _ = writeln!(s, "- {}: {f}", r.policy);
+            }
+        }
+        s
+    }
+
+    /// A row by policy name.
+    pub fn row(&self, policy: &str) -> Option<&Summary> {
+        self.rows
+            .iter()
+            .find(|r| r.policy == policy)
+            .and_then(|r| r.summary.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizing_formula() {
+        // 32 groups × 1500 tokens at 73% over 4 backends of 16-token blocks.
+        assert_eq!(blocks_for(48_000, 0.73, 4, 16), 1028);
+        assert_eq!(blocks_for(0, 0.73, 4, 16), 1);
+    }
+}
