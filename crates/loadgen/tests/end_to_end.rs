@@ -1,0 +1,192 @@
+//! End to end: the compare smoke path with inferlb in-process, and runs against a simulator.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use loadgen::arrival::Arrival;
+use loadgen::client::RequestOptions;
+use loadgen::compare::{compare, CompareConfig};
+use loadgen::router::{builtin, InProcessRouter, InProcessStart, Launcher};
+use loadgen::runner::{run, RunConfig};
+use loadgen::workload::{Workload, WorkloadSpec};
+
+/// Starts inferlb in this process on 127.0.0.1:0 from the generated config text.
+fn in_process() -> InProcessStart {
+    Arc::new(|text: String| {
+        Box::pin(async move {
+            let config = inferlb::config::Config::from_toml(&text, "generated")
+                .map_err(|e| e.to_string())?;
+            let main = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| e.to_string())?;
+            let url = format!("http://{}", main.local_addr().map_err(|e| e.to_string())?);
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(inferlb::run(
+                config,
+                inferlb::Listeners { main, admin: None },
+                async move {
+                    let _ = rx.await;
+                },
+            ));
+            Ok(InProcessRouter {
+                url,
+                stop: Box::pin(async move {
+                    let _ = tx.send(());
+                    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+                }),
+            })
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_smoke_runs_two_policies_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = CompareConfig {
+        name: "smoke".into(),
+        workload: WorkloadSpec::SharedPrefix {
+            groups: 2,
+            prompts: 3,
+            system_tokens: 96,
+            question_tokens: 16,
+            output_tokens: 8,
+            zipf: 0.0,
+        },
+        seed: 5,
+        backends: 2,
+        block_size: 16,
+        num_gpu_blocks: None,
+        sizing_tokens: 2 * 96,
+        max_num_seqs: 256,
+        time_scale: 20.0,
+        arrival: Arrival::Closed { concurrency: 2 },
+        max_requests: Some(6),
+        duration: Duration::from_secs(600),
+        think_time: Duration::ZERO,
+        policies: vec![builtin("random").unwrap(), builtin("default").unwrap()],
+        launcher: Launcher::InProcess(in_process()),
+        results_dir: dir.path().to_path_buf(),
+        ready_timeout: Duration::from_secs(10),
+        drain_timeout: Duration::from_secs(20),
+        progress: false,
+    };
+    let out = compare(cfg).await.unwrap();
+    assert_eq!(out.rows.len(), 2);
+    for row in &out.rows {
+        let s = row.summary.as_ref().unwrap_or_else(|| panic!("{row:?}"));
+        assert_eq!(s.ok, 6, "{}: {:?}", row.policy, s.errors);
+        assert_eq!(s.error_count(), 0);
+        assert!(s.ttft.p50 > 0.0 && s.output_tokens == 6 * 8);
+        let fleet = s.fleet.as_ref().unwrap();
+        assert_eq!(fleet.backends, 2);
+        assert!(fleet.prefix_cache_queries > 0.0);
+        // The router names the backend of every request.
+        assert_eq!(s.backend_share_header.values().sum::<f64>().round(), 1.0);
+    }
+    let max = out.max_hit_rate.unwrap();
+    assert!(max > 0.4, "max achievable hit rate {max}");
+    let default = out.row("default").unwrap();
+    let hit = default.fleet.as_ref().unwrap().hit_rate;
+    assert!(hit > 0.0, "default profile never hit the cache");
+    assert!(hit <= max + 1e-9, "hit rate {hit} above the bound {max}");
+    let table = out.table();
+    assert!(
+        table.contains("random") && table.contains("default"),
+        "{table}"
+    );
+    assert!(out.markdown().starts_with("| policy |"));
+}
+
+fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<String>) -> RunConfig {
+    RunConfig {
+        label: "direct".into(),
+        target: url.into(),
+        request: RequestOptions {
+            model: vllm_sim::config::DEFAULT_MODEL.into(),
+            stream: true,
+            backend_header: "x-inferlb-backend".into(),
+        },
+        arrival,
+        max_requests: workload.natural_requests(),
+        duration: Duration::from_secs(60),
+        drain_timeout: Duration::from_secs(20),
+        think_time: Duration::from_millis(1),
+        request_timeout: Duration::from_secs(30),
+        backend_metrics: metrics,
+        sample_interval: Duration::from_millis(20),
+        progress: false,
+        seed: 3,
+        time_scale: 1.0,
+        block_size: 16,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
+    let spec = WorkloadSpec::MultiTurn {
+        conversations: 3,
+        turns: 3,
+        system_tokens: 64,
+        user_tokens: 16,
+        output_tokens: 12,
+    };
+    let workload = Arc::new(Workload::new(spec, 3));
+    for arrival in [
+        Arrival::Closed { concurrency: 2 },
+        Arrival::Poisson { rate: 400.0 },
+    ] {
+        let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+            time_scale: 50.0,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let cfg = direct_run(&sim.url(), arrival.clone(), &workload, vec![sim.url()]);
+        let out = run(cfg, Arc::clone(&workload)).await.unwrap();
+        let s = &out.summary;
+        assert_eq!(s.ok, 9, "{arrival:?}: {:?}", s.errors);
+        assert_eq!(s.output_tokens, 9 * 12);
+        assert!(s.itl.count > 0);
+        // Turns of one conversation went out in order.
+        for conv in 0..3u64 {
+            let turns: Vec<u32> = out
+                .sent
+                .iter()
+                .filter(|(c, _)| *c == conv)
+                .map(|(_, t)| *t)
+                .collect();
+            assert_eq!(turns, vec![0, 1, 2], "{arrival:?}");
+        }
+        // One backend with a big cache reaches the infinite-cache bound exactly, which it
+        // can only do if the history (answers included) was re-sent verbatim.
+        let fleet = s.fleet.as_ref().unwrap();
+        let bound = s.max_hit.unwrap();
+        assert_eq!(fleet.prefix_cache_queries as u64, bound.prompt_tokens);
+        assert_eq!(fleet.prefix_cache_hits as u64, bound.max_hit_tokens);
+        assert!((s.hit_rate_vs_max.unwrap() - 1.0).abs() < 1e-9);
+        sim.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
+    let port = loadgen::router::free_port().unwrap();
+    let workload = Arc::new(Workload::new(
+        WorkloadSpec::Unique {
+            prompt_tokens: 8,
+            output_tokens: 2,
+        },
+        1,
+    ));
+    let mut cfg = direct_run(
+        &format!("http://127.0.0.1:{port}"),
+        Arrival::Closed { concurrency: 2 },
+        &workload,
+        Vec::new(),
+    );
+    cfg.max_requests = Some(5);
+    let out = run(cfg, workload).await.unwrap();
+    assert_eq!(out.summary.ok, 0);
+    assert_eq!(out.summary.errors.get("connect"), Some(&5));
+}
