@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Compare vllm-sim with a real vLLM server: metric families, response and SSE shapes, errors,
+and prefix-cache counters over the same request sequence. Prints a Markdown report.
+
+Usage: fidelity.py REAL_URL SIM_URL MODEL   (both servers: same block size, block count, max len)
+Only the standard library is used.
+"""
+import json
+import sys
+import urllib.error
+import urllib.request
+
+REAL, SIM, MODEL = sys.argv[1], sys.argv[2], sys.argv[3]
+BLOCK = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+out = []
+
+
+def say(line=""):
+    out.append(line)
+
+
+def http(base, method, path, body=None, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, r.headers.get("content-type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("content-type", ""), e.read().decode()
+
+
+def families(base):
+    _, _, text = http(base, "GET", "/metrics")
+    fam = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE vllm:"):
+            _, _, name, kind = line.split(" ")
+            fam[name] = kind
+    return fam, text
+
+
+def value(text, name, labels=""):
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def shape(v):
+    """The structure of a JSON value: keys and types, not values."""
+    if isinstance(v, dict):
+        return {k: shape(x) for k, x in sorted(v.items())}
+    if isinstance(v, list):
+        return [shape(v[0])] if v else []
+    return type(v).__name__ if v is not None else "null"
+
+
+def diff(a, b, path=""):
+    """Differences between two shapes, as lines."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        lines = []
+        for k in sorted(set(a) | set(b)):
+            if k not in b:
+                lines.append(f"`{path}.{k}` only in real ({a[k] if not isinstance(a[k], (dict, list)) else '…'})")
+            elif k not in a:
+                lines.append(f"`{path}.{k}` only in sim")
+            else:
+                lines += diff(a[k], b[k], f"{path}.{k}")
+        return lines
+    if isinstance(a, list) and isinstance(b, list):
+        return diff(a[0], b[0], path + "[0]") if a and b else []
+    if a != b and "null" not in (a, b):
+        return [f"`{path}`: real {a}, sim {b}"]
+    return []
+
+
+def compare_json(title, method, path, body):
+    rs, rct, rt = http(REAL, method, path, body)
+    ss, sct, st = http(SIM, method, path, body)
+    say(f"### {title}")
+    say(f"`{method} {path}` → real {rs} `{rct}`, sim {ss} `{sct}`")
+    try:
+        d = diff(shape(json.loads(rt)), shape(json.loads(st)))
+    except ValueError:
+        d = [f"non-JSON body: real {rt[:120]!r}, sim {st[:120]!r}"]
+    say("- same shape" if not d else "\n".join("- " + x for x in d))
+    say()
+    return rt, st
+
+
+def sse_chunks(base, path, body):
+    _, ct, text = http(base, "POST", path, body)
+    events = [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+    return ct, events
+
+
+def describe(events):
+    kinds = []
+    for e in events:
+        if e == "[DONE]":
+            kinds.append("[DONE]")
+            continue
+        c = json.loads(e)
+        if not c.get("choices"):
+            kinds.append("usage" if c.get("usage") else "empty")
+            continue
+        ch = c["choices"][0]
+        if "delta" in ch and ch["delta"].get("role"):
+            kinds.append("role")
+        elif ch.get("finish_reason"):
+            kinds.append(f"content+finish({ch['finish_reason']})")
+        else:
+            kinds.append("content")
+    return kinds
+
+
+def compare_stream(title, path, body):
+    rct, real = sse_chunks(REAL, path, body)
+    sct, sim = sse_chunks(SIM, path, body)
+    say(f"### {title}")
+    say(f"content-type: real `{rct}`, sim `{sct}`")
+    say(f"- real: {' '.join(describe(real))}")
+    say(f"- sim:  {' '.join(describe(sim))}")
+    pairs = [(json.loads(a), json.loads(b)) for a, b in zip(real, sim) if a != "[DONE]" and b != "[DONE]"]
+    lines = []
+    for i, (a, b) in enumerate(pairs):
+        lines += [f"chunk {i}: {x}" for x in diff(shape(a), shape(b))]
+    say("- chunk shapes: same" if not lines else "\n".join("- " + x for x in lines))
+    say()
+
+
+def ids(n, start):
+    # Token ids inside the tiny model's 2048-token vocabulary, skipping special ids 0-6.
+    return [7 + (start + i * 13) % 2000 for i in range(n)]
+
+
+def main():
+    say("# vllm-sim fidelity against real vLLM 0.32 (CPU build)")
+    say()
+    say(f"Real server `{REAL}`, simulator `{SIM}`, model `{MODEL}`, block size {BLOCK}. "
+        "Both configured with the same block size, block count and max model length. "
+        "Generated by `crates/vllm-sim/scripts/fidelity.sh`; shapes compare keys and JSON types, "
+        "not values.")
+    say()
+    say("## Metric families")
+    rf, _ = families(REAL)
+    sf, _ = families(SIM)
+    missing = sorted(set(rf) - set(sf))
+    extra = sorted(set(sf) - set(rf))
+    wrong = sorted(n for n in set(rf) & set(sf) if rf[n] != sf[n])
+    say(f"- real exposes {len(rf)} `vllm:` families, the simulator {len(sf)}; in common {len(set(rf) & set(sf))}")
+    say(f"- missing in sim: {', '.join(missing) or 'none'}")
+    say(f"- only in sim: {', '.join(extra) or 'none'}")
+    say(f"- type mismatches: {', '.join(wrong) or 'none'}")
+    say()
+    say("## Response shapes")
+    compare_json("Completion (whole)", "POST", "/v1/completions",
+                 {"model": MODEL, "prompt": "hello world", "max_tokens": 5, "ignore_eos": True})
+    compare_json("Chat (whole)", "POST", "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+                  "ignore_eos": True})
+    compare_json("Models", "GET", "/v1/models", None)
+    compare_json("Tokenize", "POST", "/tokenize", {"model": MODEL, "prompt": "hello world"})
+    compare_json("Render (chat)", "POST", "/v1/chat/completions/render",
+                 {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+    compare_json("Render (completions)", "POST", "/v1/completions/render",
+                 {"model": MODEL, "prompt": "hello world"})
+    compare_json("Error: unknown model", "POST", "/v1/completions", {"model": "nope", "prompt": "x"})
+    compare_json("Error: wrong type", "POST", "/v1/completions",
+                 {"model": MODEL, "prompt": "x", "max_tokens": "ten"})
+    compare_json("Error: prompt too long", "POST", "/v1/completions",
+                 {"model": MODEL, "prompt": ids(2100, 0), "max_tokens": 1})
+    say("## SSE shapes")
+    compare_stream("Chat stream with usage", "/v1/chat/completions",
+                   {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    compare_stream("Completion stream", "/v1/completions",
+                   {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True,
+                    "stream": True})
+    say("## Prefix-cache counters over the same sequence")
+    say("Token-id prompts (identical tokens on both servers), `max_tokens` 4, sent one at a time; "
+        "deltas of `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` per step.")
+    say()
+    say("| step | prompt | real queries | real hits | sim queries | sim hits |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    x = ids(1000, 1)
+    steps = [("A: 1000 tokens", x), ("A again", x), ("A's first 896 + 500 new", x[:896] + ids(500, 5000))]
+    for k in range(8):
+        steps.append((f"filler {k + 1}: 1500 distinct tokens", ids(1500, 10000 + 1500 * k)))
+    steps.append(("A after the cache overflowed", x))
+    steps.append(("last filler again", steps[-2][1]))
+    for name, prompt in steps:
+        row = []
+        for base in (REAL, SIM):
+            _, before = families(base)
+            status, _, body = http(base, "POST", "/v1/completions",
+                                   {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            _, after = families(base)
+            q = value(after, "vllm:prefix_cache_queries_total") - value(before, "vllm:prefix_cache_queries_total")
+            h = value(after, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+            row += [f"{q:.0f}", f"{h:.0f}"] if status == 200 else [f"HTTP {status}", body[:60]]
+        say(f"| {name} | {len(prompt)} tokens | " + " | ".join(row) + " |")
+    say()
+    say("## Text prompts (tokenizers differ)")
+    say("The same chat conversation twice; the real tokenizer is a 2048-token BPE, the simulator's "
+        "a ~4-bytes-per-token hash tokenizer, so counts differ while the block-granular behaviour "
+        "should not.")
+    say()
+    say("| step | real prompt tokens | real hits | sim prompt tokens | sim hits |")
+    say("| --- | --- | --- | --- | --- |")
+    system = ("You are a helpful assistant that answers every question about the cache and the "
+              "router with care. ") * 20
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
+    for name in ("conversation", "same conversation again"):
+        row = []
+        for base in (REAL, SIM):
+            _, before = families(base)
+            _, _, body = http(base, "POST", "/v1/chat/completions",
+                              {"model": MODEL, "messages": conv, "max_tokens": 4, "ignore_eos": True})
+            _, after = families(base)
+            h = value(after, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+            row += [str(json.loads(body)["usage"]["prompt_tokens"]), f"{h:.0f}"]
+        say(f"| {name} | " + " | ".join(row) + " |")
+    say()
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
