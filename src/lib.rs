@@ -116,6 +116,7 @@ pub async fn run(
         service,
         metrics,
         session_header,
+        auth: Arc::new(front_door::auth::Auth::from_config(&config.auth)?),
     });
 
     let main_addr = listeners.main.local_addr()?;

@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceExt;
 
+pub mod auth;
 pub mod serve;
 
 use crate::config::Config;
@@ -36,20 +37,26 @@ pub struct AppState {
     pub service: SchedulerService<Forwarder>,
     pub metrics: Option<PrometheusHandle>,
     pub session_header: header::HeaderName,
+    pub auth: Arc<auth::Auth>,
 }
 
 /// Routes of the OpenAI-compatible listener. When `with_admin` is set, `/metrics` and
 /// `/admin/*` are served here too (no separate admin listener configured).
 pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
-    let mut router = Router::new()
+    let openai = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/{*rest}", post(other))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state.auth),
+            auth::client_gate,
+        ));
+    let mut router = openai
         .route("/health", get(health))
         .route("/ready", get(ready));
     if with_admin {
-        router = router.merge(admin_routes());
+        router = router.merge(admin_routes(&state));
     }
     router
         .fallback(not_found)
@@ -59,7 +66,7 @@ pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
 
 /// Routes of the admin listener.
 pub fn admin_router(state: Arc<AppState>) -> Router {
-    admin_routes()
+    admin_routes(&state)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .fallback(not_found)
@@ -67,10 +74,14 @@ pub fn admin_router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-fn admin_routes() -> Router<Arc<AppState>> {
+fn admin_routes(state: &AppState) -> Router<Arc<AppState>> {
     Router::new()
         .route("/metrics", get(prometheus))
         .route("/admin/backends", get(backends))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state.auth),
+            auth::admin_gate,
+        ))
 }
 
 async fn chat(State(app): State<Arc<AppState>>, req: Request) -> Response {
@@ -139,6 +150,11 @@ async fn forward(
         .uri
         .path_and_query()
         .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    if has_dot_segment(parts.uri.path()) {
+        return Err(Error::InvalidRequest(
+            "the path must not contain `.` or `..` segments".into(),
+        ));
+    }
     let request = ProxyRequest {
         method: parts.method,
         path_and_query,
@@ -149,6 +165,17 @@ async fn forward(
         received_at,
     };
     app.service.clone().oneshot(request).await
+}
+
+/// `.` or `..` path segments, raw or percent-encoded: a backend that normalises them could be
+/// steered to a path outside `/v1/`.
+fn has_dot_segment(path: &str) -> bool {
+    path.split('/').any(|seg| {
+        let decoded = seg.replace("%2e", ".").replace("%2E", ".");
+        decoded == "." || decoded == ".."
+    }) || path.contains('\\')
+        || path.to_ascii_lowercase().contains("%2f")
+        || path.to_ascii_lowercase().contains("%5c")
 }
 
 fn new_request_id() -> HeaderValue {

@@ -52,6 +52,12 @@ pub struct FakeState {
     pub last_headers: Mutex<Option<HeaderMap>>,
     pub last_body: Mutex<Option<Bytes>>,
     pub completions: std::sync::atomic::AtomicU64,
+    /// Status of completion answers (200 = normal).
+    pub completion_status: std::sync::atomic::AtomicU16,
+    /// Streams end after the first chunk, without `[DONE]`.
+    pub cut_streams: std::sync::atomic::AtomicBool,
+    /// Set when a stream's receiver went away before it finished (client disconnect).
+    pub stream_abandoned: watch::Sender<bool>,
 }
 
 pub struct FakeBackend {
@@ -80,6 +86,9 @@ impl FakeBackend {
             last_headers: Mutex::new(None),
             last_body: Mutex::new(None),
             completions: 0.into(),
+            completion_status: 200.into(),
+            cut_streams: false.into(),
+            stream_abandoned: watch::channel(false).0,
         });
         let app = Router::new()
             .route("/metrics", get(metrics))
@@ -163,6 +172,14 @@ async fn list_models(State(s): State<Arc<FakeState>>) -> Response {
 async fn complete(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Bytes) -> Response {
     s.completions.fetch_add(1, Ordering::Relaxed);
     *s.last_headers.lock().unwrap() = Some(headers);
+    let status = s.completion_status.load(Ordering::Relaxed);
+    if status != 200 {
+        return (
+            StatusCode::from_u16(status).unwrap(),
+            format!("{{\"error\":\"{}\"}}", s.name),
+        )
+            .into_response();
+    }
     let stream = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v.get("stream").and_then(|s| s.as_bool()))
@@ -192,8 +209,17 @@ fn async_stream(
                 s.name
             ))))
             .await;
+        if s.cut_streams.load(Ordering::Relaxed) {
+            return;
+        }
         if s.hold_streams.load(Ordering::Relaxed) {
-            s.gate.notified().await;
+            tokio::select! {
+                _ = s.gate.notified() => {}
+                _ = tx.closed() => {
+                    s.stream_abandoned.send_replace(true);
+                    return;
+                }
+            }
         }
         let _ = tx
             .send(Ok(Bytes::from_static(b"data: {\"second\":true}\n\n")))
@@ -217,12 +243,25 @@ impl TestRouter {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// The stop switch and the task, for tests that drive the drain themselves.
+    pub fn into_parts(mut self) -> RouterParts {
+        RouterParts {
+            stop: self.stop.take().unwrap(),
+            task: self.task,
+        }
+    }
+
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
     }
+}
+
+pub struct RouterParts {
+    pub stop: oneshot::Sender<()>,
+    pub task: tokio::task::JoinHandle<Result<(), inferlb::RunError>>,
 }
 
 /// A config for tests: fast polling, given backends.
