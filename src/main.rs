@@ -79,7 +79,18 @@ impl Cli {
     }
 }
 
+/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once.
 async fn shutdown_signal() {
+    first_signal().await;
+    tracing::info!("shutdown signal received; draining (send it again to exit at once)");
+    tokio::spawn(async {
+        first_signal().await;
+        tracing::warn!("second signal: exiting without waiting for in-flight requests");
+        std::process::exit(130);
+    });
+}
+
+async fn first_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -98,11 +109,6 @@ async fn shutdown_signal() {
         _ = ctrl_c => {}
         _ = term => {}
     }
-    tracing::info!("shutdown signal received; draining (send it again to exit at once)");
-    tokio::spawn(async {
-        let _ = tokio::signal::ctrl_c().await;
-        std::process::exit(130);
-    });
 }
 
 #[tokio::main]
