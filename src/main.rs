@@ -79,35 +79,36 @@ impl Cli {
     }
 }
 
-/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once.
+/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once. The
+/// signal streams are created up front and kept, so a quick second signal is not lost.
 async fn shutdown_signal() {
-    first_signal().await;
-    tracing::info!("shutdown signal received; draining (send it again to exit at once)");
-    tokio::spawn(async {
-        first_signal().await;
-        tracing::warn!("second signal: exiting without waiting for in-flight requests");
-        std::process::exit(130);
-    });
-}
-
-async fn first_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::warn!("cannot listen for signals; stop the process with SIGKILL");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
+        tracing::info!("shutdown signal received; draining (send it again to exit at once)");
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second signal: exiting without waiting for in-flight requests");
+            std::process::exit(130);
+        });
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

@@ -119,3 +119,76 @@ async fn binary_serves_requests_with_cli_overrides() {
         .unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+/// Start the binary in front of `backend`; returns the child and its address.
+fn spawn_binary(backend: &FakeBackend) -> (std::process::Child, String) {
+    let mut child = Command::new(BIN)
+        .args([
+            "--config",
+            "config.toml",
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if let Some(addr) = v["fields"]["main_addr"].as_str() {
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines {});
+            return (child, addr.to_owned());
+        }
+    }
+    panic!("the binary never announced its address");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_signal_drains_second_exits_at_once() {
+    use futures_util::StreamExt;
+    use std::sync::atomic::Ordering;
+    let backend = FakeBackend::start("a", &["m"]).await;
+    backend.state.hold_streams.store(true, Ordering::Relaxed);
+    let (child, addr) = tokio::task::block_in_place(|| spawn_binary(&backend));
+    let body = serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let _first = stream.next().await.unwrap().unwrap();
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    // Draining: the listener closes at once, but the held stream keeps the process alive.
+    let mut refused = false;
+    for _ in 0..1000 {
+        if tokio::net::TcpStream::connect(&addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(refused, "the first signal must close the listener");
+    let mut child = child;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "must not exit while a stream is in flight"
+    );
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || child.wait().unwrap()),
+    )
+    .await
+    .expect("the second signal must end the process promptly")
+    .unwrap();
+    assert_eq!(status.code(), Some(130));
+}
