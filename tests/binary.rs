@@ -146,6 +146,8 @@ fn spawn_binary(backend: &FakeBackend) -> (std::process::Child, String) {
             return (child, addr.to_owned());
         }
     }
+    let _ = child.kill();
+    let _ = child.wait();
     panic!("the binary never announced its address");
 }
 
