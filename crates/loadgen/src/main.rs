@@ -383,7 +383,11 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         num_gpu_blocks: a.num_gpu_blocks,
         max_num_seqs: a.max_num_seqs,
         time_scale: a.time_scale,
-        max_requests: a.arrival.requests.or(workload.natural_requests()),
+        // A ramp ends by itself; other arrivals stop after one natural pass by default.
+        max_requests: a.arrival.requests.or(match arrival.natural_duration() {
+            Some(_) => None,
+            None => workload.natural_requests(),
+        }),
         duration: secs(a.arrival.duration),
         think_time: Duration::from_millis(a.workload.think_time_ms),
         arrival,
