@@ -1,6 +1,8 @@
 //! API errors: the one place that turns failures into HTTP statuses and vLLM's error JSON.
 //!
-//! vLLM 0.32 answers `{"error":{"message":..,"type":"BadRequestError","param":null,"code":400}}`.
+//! vLLM 0.32 answers `{"error":{"message","type","param","code"}}`. Its own checks use
+//! `"type":"BadRequestError"` (with `param` naming the field when there is one); bodies that
+//! fail schema validation (bad JSON, wrong types, missing fields) get `"type":"Bad Request"`.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -9,10 +11,17 @@ use axum::Json;
 /// Why a request was not served.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
+    /// A rule of vLLM's request checks; `param` names the offending field.
+    #[error("{message}")]
+    BadRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    /// The body does not parse into the request schema.
     #[error("{0}")]
-    BadRequest(String),
-    #[error("The model `{0}` does not exist.")]
-    ModelNotFound(String),
+    Validation(String),
+    #[error("The model `{name}` does not exist. Valid aliases: {valid}.")]
+    ModelNotFound { name: String, valid: String },
     #[error("{0}")]
     Internal(String),
     #[error("{0}")]
@@ -20,25 +29,48 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    fn status_and_type(&self) -> (StatusCode, &'static str) {
+    /// A 400 without a parameter.
+    pub fn bad(message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// A 400 about one field.
+    pub fn bad_param(message: impl Into<String>, param: &'static str) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    fn status_type_param(&self) -> (StatusCode, &'static str, Option<&'static str>) {
         match self {
-            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
-            ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "NotFoundError"),
-            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError"),
-            ApiError::Unavailable(_) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError")
+            ApiError::BadRequest { param, .. } => {
+                (StatusCode::BAD_REQUEST, "BadRequestError", *param)
             }
+            ApiError::Validation(_) => (StatusCode::BAD_REQUEST, "Bad Request", None),
+            ApiError::ModelNotFound { .. } => {
+                (StatusCode::NOT_FOUND, "NotFoundError", Some("model"))
+            }
+            ApiError::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                None,
+            ),
+            ApiError::Unavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailableError",
+                None,
+            ),
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, kind) = self.status_and_type();
-        let param = match self {
-            ApiError::ModelNotFound(_) => serde_json::Value::from("model"),
-            _ => serde_json::Value::Null,
-        };
+        let (status, kind, param) = self.status_type_param();
         let body = serde_json::json!({
             "error": {
                 "message": self.to_string(),
@@ -51,8 +83,8 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Parses a JSON body, turning syntax and type errors into 400s (as vLLM does).
+/// Parses a JSON body; syntax and type errors are 400s, as vLLM's schema validation gives.
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body)
-        .map_err(|e| ApiError::BadRequest(format!("Invalid request body: {e}")))
+        .map_err(|e| ApiError::Validation(format!("1 validation error: {e}")))
 }

@@ -127,9 +127,7 @@ fn tokens_of(st: &AppState, req: TokenizeRequest) -> Result<(Option<String>, Vec
             Ok((Some(text), tokens))
         }
         (Some(p), None) => Ok((None, openai::prompt_tokens(p)?)),
-        (None, None) => Err(ApiError::BadRequest(
-            "either prompt or messages is required".into(),
-        )),
+        (None, None) => Err(ApiError::bad("either prompt or messages is required")),
     }
 }
 
@@ -159,7 +157,7 @@ pub async fn render(State(st): State<AppState>, body: Bytes) -> Result<Json<Valu
     let max_tokens = raw.get("max_tokens").cloned().unwrap_or(Value::Null);
     let model = raw.get("model").and_then(Value::as_str).map(str::to_string);
     let req: TokenizeRequest = serde_json::from_value(raw)
-        .map_err(|e| ApiError::BadRequest(format!("Invalid request body: {e}")))?;
+        .map_err(|e| ApiError::Validation(format!("1 validation error: {e}")))?;
     let choice = openai::resolve_model(&st, model.as_deref())?;
     let (text, tokens) = tokens_of(&st, req)?;
     Ok(Json(json!({
@@ -213,8 +211,9 @@ pub async fn get_faults(State(st): State<AppState>) -> Json<Value> {
 pub async fn post_faults(State(st): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let patch: FaultPatch = parse_json(&body)?;
     if patch.fail_rate.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
-        return Err(ApiError::BadRequest(
-            "fail_rate must be within 0..=1".into(),
+        return Err(ApiError::bad_param(
+            "fail_rate must be within 0..=1",
+            "fail_rate",
         ));
     }
     st.faults.apply(&patch);

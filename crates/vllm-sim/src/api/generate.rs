@@ -4,11 +4,12 @@
 //! engine's per-request token channel. Output text is the tokenizer's filler, one piece per
 //! token, so `completion_tokens == max_tokens` and every content chunk carries one token.
 //!
-//! Streams look like vLLM's: `data: {json}\n\n` chunks; chat opens with a chunk whose delta is
-//! `{"role":"assistant","content":""}` (sent with the first token, as vLLM does); the last
-//! content chunk carries `finish_reason` (and `stop_reason: null`); with
-//! `stream_options.include_usage` a chunk with `"choices":[]` and `usage` follows; then
-//! `data: [DONE]\n\n`.
+//! Bodies and chunks carry the same fields as vLLM 0.32's, nulls included (checked against a
+//! real server, see FIDELITY.md). Streams: `data: {json}\n\n` chunks; chat opens with a chunk
+//! whose delta is `{"role":"assistant","content":""}` (sent with the first token, as vLLM does);
+//! the last content chunk carries `finish_reason` (and `stop_reason: null`); with
+//! `stream_options.include_usage` a chunk with `"choices":[]` and `usage` follows; the last
+//! chunk carries `system_fingerprint`; then `data: [DONE]\n\n`.
 //!
 //! The [`RequestGuard`] lives in the handler future (whole responses) or in the body stream
 //! (SSE): when the client disconnects hyper drops it, and the engine aborts the request.
@@ -31,6 +32,9 @@ use crate::engine::{RequestGuard, Submission};
 use crate::faults::Admission;
 use crate::scheduler::TokenEvent;
 use crate::tokenizer::{filler_piece, filler_text};
+
+/// What vLLM puts in `system_fingerprint` (its version and a build hash).
+const FINGERPRINT: &str = "vllm-0.32.0-sim";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -88,7 +92,7 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
     };
     let ctx = Ctx {
         kind,
-        id: format!("{prefix}-{:032x}", fastrand::u128(..)),
+        id: format!("{prefix}-{:016x}", fastrand::u64(..)),
         created: crate::metrics::unix_now() as u64,
         model_json: serde_json::Value::from(p.model.name.as_str()).to_string(),
         model: p.model.name.clone(),
@@ -113,18 +117,22 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
     }
 }
 
-fn usage_json(ctx: &Ctx, completion: u32, cached: u32) -> serde_json::Value {
-    let details = if ctx.details {
-        json!({ "cached_tokens": cached })
-    } else {
-        serde_json::Value::Null
-    };
-    json!({
+/// `usage`; whole bodies also carry the (null unless enabled) details fields.
+fn usage_json(ctx: &Ctx, completion: u32, cached: u32, whole: bool) -> serde_json::Value {
+    let mut u = json!({
         "prompt_tokens": ctx.prompt_tokens,
         "total_tokens": ctx.prompt_tokens + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": details,
-    })
+    });
+    if ctx.details {
+        u["prompt_tokens_details"] = json!({ "cached_tokens": cached });
+    } else if whole {
+        u["prompt_tokens_details"] = serde_json::Value::Null;
+    }
+    if whole {
+        u["completion_tokens_details"] = serde_json::Value::Null;
+    }
+    u
 }
 
 /// A non-streaming answer, once the last token is out.
@@ -152,16 +160,18 @@ async fn whole(
     };
     guard.finished();
     let text = filler_text(n);
-    let usage = usage_json(&ctx, n, cached);
+    let usage = usage_json(&ctx, n, cached, true);
     let body = match ctx.kind {
         Kind::Completion => json!({
             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
             "choices": [{
                 "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str(),
-                "stop_reason": null, "prompt_logprobs": null,
+                "stop_reason": null, "token_ids": null, "prompt_logprobs": null,
+                "prompt_token_ids": null, "routed_experts": null,
             }],
+            "service_tier": null, "system_fingerprint": FINGERPRINT,
             "usage": usage,
-            "kv_transfer_params": null,
+            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
         }),
         Kind::Chat => json!({
             "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
@@ -169,13 +179,15 @@ async fn whole(
                 "index": 0,
                 "message": {
                     "role": "assistant", "content": text, "refusal": null, "annotations": null,
-                    "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null,
+                    "audio": null, "function_call": null, "reasoning": null,
                 },
                 "logprobs": null, "finish_reason": finish.as_str(), "stop_reason": null,
+                "token_ids": null, "routed_experts": null,
             }],
-            "service_tier": null, "system_fingerprint": null,
+            "service_tier": null, "system_fingerprint": FINGERPRINT,
             "usage": usage,
-            "prompt_logprobs": null, "kv_transfer_params": null,
+            "prompt_logprobs": null, "prompt_token_ids": null, "prompt_text": null,
+            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
         }),
     };
     Ok(axum::Json(body).into_response())
@@ -284,7 +296,8 @@ fn write_token(st: &mut SseState, out: &mut String, ev: TokenEvent) {
     if kind == Kind::Chat && st.sent == 0 {
         out.push_str(&st.head);
         out.push_str(
-            "{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+            "{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\
+             \"finish_reason\":null}],\"prompt_token_ids\":null,\"prompt_text\":null}\n\n",
         );
     }
     let text = filler_piece(ev.index);
@@ -302,23 +315,34 @@ fn write_token(st: &mut SseState, out: &mut String, ev: TokenEvent) {
             if ev.finish.is_none() {
                 out.push_str(",\"stop_reason\":null");
             }
+            out.push_str(",\"prompt_token_ids\":null,\"token_ids\":null}]");
         }
         Kind::Chat => {
             out.push_str("{\"index\":0,\"delta\":{\"content\":\"");
             out.push_str(text);
             out.push_str("\"},\"logprobs\":null,\"finish_reason\":");
             out.push_str(&finish);
+            out.push_str(",\"token_ids\":null}]");
         }
     }
-    out.push_str("}]}\n\n");
     st.sent += 1;
-    if ev.finish.is_some() {
+    let last = ev.finish.is_some();
+    // The last chunk before [DONE] carries the fingerprint.
+    if last && !st.ctx.include_usage {
+        out.push_str(",\"system_fingerprint\":\"");
+        out.push_str(FINGERPRINT);
+        out.push('"');
+    }
+    out.push_str("}\n\n");
+    if last {
         if st.ctx.include_usage {
-            let usage = usage_json(&st.ctx, st.sent as u32, ev.cached_tokens);
+            let usage = usage_json(&st.ctx, st.sent as u32, ev.cached_tokens, false);
             out.push_str(&st.head);
             out.push_str("],\"usage\":");
             out.push_str(&usage.to_string());
-            out.push_str("}\n\n");
+            out.push_str(",\"system_fingerprint\":\"");
+            out.push_str(FINGERPRINT);
+            out.push_str("\"}\n\n");
         }
         out.push_str("data: [DONE]\n\n");
     }

@@ -12,6 +12,7 @@ pub mod openai;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 
@@ -67,6 +68,8 @@ pub fn router(state: AppState) -> Router {
         .route("/server_info", get(extra::server_info))
         .route("/get_load", get(extra::get_load))
         .merge(admin_routes())
+        // Long prompts as token-id arrays exceed axum's 2 MB default; vLLM has no such limit.
+        .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 

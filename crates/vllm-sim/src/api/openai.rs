@@ -10,7 +10,9 @@
 //! * `messages` (chat): rendered through the fixed chat template, then tokenised.
 //! * `n` must be 1. `max_tokens` (or chat's `max_completion_tokens`) must be ≥ 1; the default
 //!   is 16 for completions and, for chat, the rest of the context capped at 256.
-//! * Prompt + output must fit `--max-model-len`, and must fit the KV cache at all.
+//! * A prompt of `--max-model-len` tokens or more is refused; a `max_tokens` beyond the rest of
+//!   the context is lowered to fit (vLLM 0.32 does the same). Prompt + output must fit the KV
+//!   cache at all.
 
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64;
@@ -43,7 +45,8 @@ pub enum PromptInput {
 pub struct CompletionRequest {
     #[serde(default)]
     pub model: Option<String>,
-    pub prompt: PromptInput,
+    #[serde(default)]
+    pub prompt: Option<PromptInput>,
     #[serde(default)]
     pub max_tokens: Option<u32>,
     #[serde(default)]
@@ -157,7 +160,14 @@ pub fn resolve_model(st: &AppState, model: Option<&str>) -> Result<ModelChoice, 
             name: name.into(),
             lora: Some(i as u16),
         }),
-        None => Err(ApiError::ModelNotFound(name.into())),
+        None => {
+            let mut valid: Vec<&str> = st.names.iter().map(String::as_str).collect();
+            valid.extend(st.config.lora_modules.iter().map(|l| l.name.as_str()));
+            Err(ApiError::ModelNotFound {
+                name: name.into(),
+                valid: valid.join(", "),
+            })
+        }
     }
 }
 
@@ -169,22 +179,26 @@ pub fn prompt_tokens(prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
         PromptInput::Ids(ids) => ids,
         PromptInput::IdBatches(mut v) if v.len() == 1 => v.remove(0),
         PromptInput::Texts(v) if v.is_empty() => {
-            return Err(ApiError::BadRequest("prompt must not be empty".into()))
+            return Err(ApiError::bad("You must pass at least one prompt"))
         }
         _ => {
-            return Err(ApiError::BadRequest(
-                "vllm-sim serves one prompt per request: batched prompts are not supported".into(),
+            return Err(ApiError::bad_param(
+                "vllm-sim serves one prompt per request: batched prompts are not supported",
+                "prompt",
             ))
         }
     };
     if tokens.is_empty() {
-        return Err(ApiError::BadRequest("prompt must not be empty".into()));
+        return Err(ApiError::bad("You must pass at least one prompt"));
     }
     if let Some(bad) = tokens.iter().find(|&&t| t >= tokenizer::VOCAB_SIZE) {
-        return Err(ApiError::BadRequest(format!(
-            "Token id {bad} is out of vocabulary (size {})",
-            tokenizer::VOCAB_SIZE
-        )));
+        return Err(ApiError::bad_param(
+            format!(
+                "Token id {bad} is out of vocabulary (size {})",
+                tokenizer::VOCAB_SIZE
+            ),
+            "prompt",
+        ));
     }
     Ok(tokens)
 }
@@ -208,9 +222,10 @@ pub fn render_messages(
                             s.push_str(&tokenizer::image_placeholder(&url))
                         }
                         (kind, _, _) => {
-                            return Err(ApiError::BadRequest(format!(
-                                "Unsupported or malformed content part of type {kind:?}"
-                            )))
+                            return Err(ApiError::bad_param(
+                                format!("Unsupported or malformed content part of type {kind:?}"),
+                                "messages",
+                            ))
                         }
                     }
                 }
@@ -228,9 +243,10 @@ pub fn render_messages(
 fn check_n(n: Option<u32>) -> Result<(), ApiError> {
     match n {
         None | Some(1) => Ok(()),
-        Some(n) => Err(ApiError::BadRequest(format!(
-            "vllm-sim supports only n=1, got n={n}"
-        ))),
+        Some(n) => Err(ApiError::bad_param(
+            format!("vllm-sim supports only n=1, got n={n}"),
+            "n",
+        )),
     }
 }
 
@@ -247,33 +263,30 @@ fn finish(
     let max_len = st.config.max_model_len;
     let prompt_len = tokens.len();
     if prompt_len >= max_len {
-        return Err(ApiError::BadRequest(format!(
-            "This model's maximum context length is {max_len} tokens. However, your request has \
-             {prompt_len} input tokens. Please reduce the length of the input messages."
-        )));
+        return Err(ApiError::bad_param(
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, your prompt \
+                 contains {prompt_len} input tokens, which exceeds this limit even without any \
+                 output tokens. Please reduce the length of the input prompt. \
+                 (parameter=input_tokens, value={prompt_len})"
+            ),
+            "input_tokens",
+        ));
     }
+    let room = (max_len - prompt_len) as u32;
     let max_tokens = match requested {
         Some(0) => {
-            return Err(ApiError::BadRequest(
-                "max_tokens must be at least 1, got 0.".into(),
+            return Err(ApiError::bad_param(
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                "max_tokens",
             ))
         }
-        Some(m) => {
-            if prompt_len + m as usize > max_len {
-                return Err(ApiError::BadRequest(format!(
-                    "This model's maximum context length is {max_len} tokens. However, you \
-                     requested {} tokens ({prompt_len} in the messages, {m} in the completion). \
-                     Please reduce the length of the messages or completion.",
-                    prompt_len + m as usize
-                )));
-            }
-            m
-        }
-        None => default(max_len - prompt_len).max(1),
+        Some(m) => m.min(room),
+        None => default(room as usize).max(1),
     };
     let blocks = (prompt_len + max_tokens as usize).div_ceil(st.config.block_size);
     if blocks > st.config.num_gpu_blocks {
-        return Err(ApiError::BadRequest(format!(
+        return Err(ApiError::bad(format!(
             "The request needs {blocks} KV-cache blocks, more than the {} the cache holds.",
             st.config.num_gpu_blocks
         )));
@@ -293,7 +306,13 @@ fn finish(
 pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepared, ApiError> {
     let model = resolve_model(st, req.model.as_deref())?;
     check_n(req.n)?;
-    let tokens = prompt_tokens(req.prompt)?;
+    let Some(prompt) = req.prompt else {
+        return Err(ApiError::bad_param(
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            "prompt",
+        ));
+    };
+    let tokens = prompt_tokens(prompt)?;
     let default = |room: usize| DEFAULT_COMPLETION_TOKENS.min(room as u32);
     finish(
         st,
@@ -313,8 +332,9 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest) -> Result<Prepared, ApiErro
     let text = render_messages(req.messages, req.add_generation_prompt.unwrap_or(true))?;
     let tokens = tokenizer::tokenize(&text);
     if tokens.is_empty() {
-        return Err(ApiError::BadRequest(
-            "messages render to an empty prompt".into(),
+        return Err(ApiError::bad_param(
+            "messages render to an empty prompt",
+            "messages",
         ));
     }
     let requested = req.max_completion_tokens.or(req.max_tokens);
