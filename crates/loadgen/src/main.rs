@@ -218,7 +218,8 @@ struct CompareArgs {
     /// NAME=path.toml: an inferlb config fragment ([[plugins]], [[scheduling_profiles]], …).
     #[arg(long = "policy-file", value_name = "NAME=PATH")]
     policy_files: Vec<String>,
-    /// NAME=command with {port} and {workers} placeholders: any router (repeatable).
+    /// NAME=command with {port}, {workers} and {metrics_port} placeholders: any router
+    /// (repeatable); ready when its /health or /v1/models answers 200.
     #[arg(long = "router-cmd", value_name = "NAME=CMD")]
     router_cmds: Vec<String>,
     /// The inferlb binary.

@@ -15,7 +15,8 @@ use tokio::process::{Child, Command};
 pub enum Policy {
     /// inferlb with this TOML fragment merged into the generated config (empty = default).
     Inferlb { name: String, fragment: String },
-    /// An arbitrary command with `{port}` and `{workers}` placeholders.
+    /// An arbitrary command with `{port}`, `{workers}` (space-separated backend URLs) and
+    /// `{metrics_port}` (another free port, for a router's own Prometheus listener).
     Command { name: String, command: String },
 }
 
@@ -228,6 +229,7 @@ pub async fn start(
             let port = free_port()?;
             let line = command
                 .replace("{port}", &port.to_string())
+                .replace("{metrics_port}", &free_port()?.to_string())
                 .replace("{workers}", &workers.join(" "));
             let _ = std::fs::write(
                 log_dir.join(format!("router-{}.cmd", sanitize(&name))),
