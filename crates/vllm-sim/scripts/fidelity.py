@@ -6,6 +6,7 @@ Usage: fidelity.py REAL_URL SIM_URL MODEL   (both servers: same block size, bloc
 Only the standard library is used.
 """
 import json
+import random
 import sys
 import urllib.error
 import urllib.request
@@ -130,9 +131,16 @@ def compare_stream(title, path, body):
     say()
 
 
-def ids(n, start):
-    # Token ids inside the tiny model's 2048-token vocabulary, skipping special ids 0-6.
-    return [7 + (start + i * 13) % 2000 for i in range(n)]
+# Prompts are new on every run, so a server that is still warm from an earlier run is no
+# different from a fresh one.
+RUN = random.SystemRandom().randrange(1 << 40)
+
+
+def ids(n, seed):
+    # Pseudo-random token ids inside the tiny model's 2048-token vocabulary, skipping the
+    # special ids 0-6; different seeds give prompts that share no block.
+    rng = random.Random(RUN * 1000 + seed)
+    return [rng.randrange(7, 2048) for _ in range(n)]
 
 
 def main():
@@ -153,6 +161,26 @@ def main():
     say(f"- missing in sim: {', '.join(missing) or 'none'}")
     say(f"- only in sim: {', '.join(extra) or 'none'}")
     say(f"- type mismatches: {', '.join(wrong) or 'none'}")
+    _, rtext = families(REAL)
+    _, stext = families(SIM)
+    bucket_gaps = []
+    for name in sorted(n for n in set(rf) & set(sf) if rf[n] == "histogram"):
+        les = [set(l.split('le="')[1].split('"')[0] for l in t.splitlines()
+                   if l.startswith(name + "_bucket{")) for t in (rtext, stext)]
+        if les[0] != les[1]:
+            bucket_gaps.append(f"`{name}` (real only: {sorted(les[0] - les[1]) or '-'}, "
+                               f"sim only: {sorted(les[1] - les[0]) or '-'})")
+    say(f"- histogram bucket boundaries that differ: {'; '.join(bucket_gaps) or 'none'}")
+    labels = []
+    for t in (rtext, stext):
+        line = next(l for l in t.splitlines() if l.startswith("vllm:cache_config_info{"))
+        labels.append({kv.split("=")[0]: kv.split("=")[1].strip('"')
+                       for kv in line[line.index("{") + 1:line.index("}")].split('",')})
+    same = [k for k in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching")
+            if labels[0].get(k) == labels[1].get(k)]
+    say(f"- `vllm:cache_config_info`: real has {len(labels[0])} labels, sim {len(labels[1])}; "
+        f"equal values for {', '.join(same)}; real only: "
+        f"{', '.join(sorted(set(labels[0]) - set(labels[1]))) or 'none'}")
     say()
     say("## Response shapes")
     compare_json("Completion (whole)", "POST", "/v1/completions",
@@ -185,9 +213,9 @@ def main():
     say("| step | prompt | real queries | real hits | sim queries | sim hits |")
     say("| --- | --- | --- | --- | --- | --- |")
     x = ids(1000, 1)
-    steps = [("A: 1000 tokens", x), ("A again", x), ("A's first 896 + 500 new", x[:896] + ids(500, 5000))]
+    steps = [("A: 1000 tokens", x), ("A again", x), ("A's first 896 + 500 new", x[:896] + ids(500, 2))]
     for k in range(8):
-        steps.append((f"filler {k + 1}: 1500 distinct tokens", ids(1500, 10000 + 1500 * k)))
+        steps.append((f"filler {k + 1}: 1500 distinct tokens", ids(1500, 100 + k)))
     steps.append(("A after the cache overflowed", x))
     steps.append(("last filler again", steps[-2][1]))
     for name, prompt in steps:
@@ -209,8 +237,8 @@ def main():
     say()
     say("| step | real prompt tokens | real hits | sim prompt tokens | sim hits |")
     say("| --- | --- | --- | --- | --- |")
-    system = ("You are a helpful assistant that answers every question about the cache and the "
-              "router with care. ") * 20
+    system = (f"Run {RUN}. You are a helpful assistant that answers every question about the "
+              "cache and the router with care. ") * 20
     conv = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
     for name in ("conversation", "same conversation again"):
         row = []
@@ -223,7 +251,35 @@ def main():
             row += [str(json.loads(body)["usage"]["prompt_tokens"]), f"{h:.0f}"]
         say(f"| {name} | " + " | ".join(row) + " |")
     say()
+    say(GAPS)
     print("\n".join(out))
+
+
+GAPS = """## Reading the differences
+
+- **Prefix cache.** With identical token ids both servers agree to the token: hits are full
+  128-token blocks, at most all but the last prompt token (1000 tokens → 7 blocks = 896), a
+  shared head hits while a new tail misses, and once 8 distinct 12-block prompts have gone
+  through the 64-block cache the first prompt is evicted (LRU) while the most recent one is
+  still there. With text, the two tokenizers cut the same conversation into different numbers
+  of tokens (the real one is a 2048-token BPE trained on a small word list), so hit counts
+  differ in tokens but follow the same rule: every full block of the repeated prompt hits.
+- **Response and SSE shapes** match key for key (nulls included): role chunk, one token per
+  content chunk, `finish_reason` on the last content chunk, the `choices: []` usage chunk, the
+  `system_fingerprint` on the last chunk, `[DONE]`. Values differ by design: the simulator's
+  ids, fingerprint and text are its own, and it never stops early (`finish_reason` is always
+  `length`; the real model may emit EOS unless `ignore_eos`).
+- **Render endpoints**: vLLM 0.32 answers 403 unless started with `--enable-scale-out`, so the
+  simulator's render shape (`token_ids`, plus `prompt` and `prompt_token_ids`) is not verified
+  against the real thing here.
+- **Not modelled on purpose**: `n > 1` and batched prompts (real vLLM serves them, the
+  simulator answers 400); chat's default output length (real: the whole rest of the context,
+  simulator: at most 256); `python_*`, `process_*` and `http_*` metric families; the
+  `cache_config_info` labels about Mamba, offloading and KV layout; `/version` says
+  `0.32.0-sim`. The SGLang probes (`/get_model_info`, ...) are simulator-only (vLLM has none).
+- **Timing** is not compared: the real server is a CPU build running a tiny random model; the
+  simulator's cost model stands for Llama-3.1-8B on an H100 (see README).
+"""
 
 
 if __name__ == "__main__":
