@@ -54,7 +54,7 @@ pub struct SimConfig {
     /// LoRA adapters: `name=path` or vLLM's JSON form `{"name":..,"path":..}`.
     #[arg(long, num_args = 1.., value_parser = parse_lora)]
     pub lora_modules: Vec<LoraModule>,
-    /// Shown as the `max_lora` label of `vllm:lora_requests_info`.
+    /// Distinct LoRA adapters that may run at once (others wait); `max_lora` in metrics.
     #[arg(long, default_value_t = 1)]
     pub max_loras: usize,
     /// Simulated-clock speed-up: 10 runs ten times faster than real time, keeping all ratios.

@@ -96,6 +96,7 @@ impl Sim {
                 block_size: config.block_size,
                 max_num_seqs: config.max_num_seqs,
                 max_num_batched_tokens: config.max_num_batched_tokens,
+                max_loras: config.max_loras,
             },
             num_blocks: config.num_gpu_blocks,
             cost: config.cost_model(),

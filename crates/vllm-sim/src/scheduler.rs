@@ -12,7 +12,9 @@
 //!    is budget and fewer than `--max-num-seqs` run, the head of the queue looks up its longest
 //!    cached prefix (full blocks, at most all but the last token: one token must be computed to
 //!    produce logits), and is admitted only if the blocks for that prefix and its first chunk
-//!    fit. If not, admission stops (head-of-line blocking, as vLLM's FCFS policy).
+//!    fit. If not, admission stops (head-of-line blocking, as vLLM's FCFS policy). A request
+//!    for a LoRA adapter that would make more than `--max-loras` distinct adapters run is
+//!    skipped (it keeps its place; later requests may pass it), as vLLM does.
 //!
 //! After the step's simulated time has passed, [`Scheduler::apply`] advances every scheduled
 //! sequence: computed tokens grow, newly full blocks are hashed and registered in the prefix
@@ -150,6 +152,8 @@ pub struct Limits {
     pub block_size: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Distinct LoRA adapters that may run at once.
+    pub max_loras: usize,
 }
 
 /// What happened in `schedule` that metrics care about.
@@ -258,10 +262,20 @@ impl Scheduler {
 
     fn admit(&mut self, now: Instant, budget: &mut usize, out: &mut ScheduleOutcome) {
         let bs = self.limits.block_size;
+        let mut loras: Vec<u16> = self.running.iter().filter_map(|s| s.lora).collect();
+        loras.sort_unstable();
+        loras.dedup();
+        let mut skipped = VecDeque::new();
         while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
             };
+            if let Some(l) = seq.lora {
+                if !loras.contains(&l) && loras.len() >= self.limits.max_loras {
+                    skipped.extend(self.waiting.pop_front());
+                    continue;
+                }
+            }
             seq.ensure_hashes(bs);
             let max_hit = (seq.tokens.len() - 1) / bs;
             let hit = self
@@ -288,7 +302,16 @@ impl Scheduler {
             out.admitted += 1;
             out.prefix_queries += seq.tokens.len() as u64;
             out.prefix_hits += cached as u64;
+            if let Some(l) = seq.lora {
+                if !loras.contains(&l) {
+                    loras.push(l);
+                }
+            }
             self.running.push(seq);
+        }
+        // Skipped requests keep their places at the head of the queue.
+        while let Some(seq) = skipped.pop_back() {
+            self.waiting.push_front(seq);
         }
     }
 

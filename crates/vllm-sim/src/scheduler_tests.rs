@@ -15,6 +15,7 @@ impl Rig {
             block_size,
             max_num_seqs: max_seqs,
             max_num_batched_tokens: budget,
+            max_loras: 1,
         };
         Self {
             s: Scheduler::new(limits, blocks),
@@ -24,19 +25,17 @@ impl Rig {
     }
 
     fn add(&mut self, tokens: Vec<u32>, max_tokens: u32) -> u64 {
+        self.add_lora(tokens, max_tokens, None)
+    }
+
+    fn add_lora(&mut self, tokens: Vec<u32>, max_tokens: u32, lora: Option<u16>) -> u64 {
         let (tx, rx) = mpsc::unbounded_channel();
         self.rxs.push(rx);
         let id = self.next_id;
         self.next_id += 1;
-        self.s.waiting.push_back(Seq::new(
-            id,
-            tokens,
-            max_tokens,
-            0,
-            None,
-            tx,
-            Instant::now(),
-        ));
+        let seed = lora.map_or(0, |l| u64::from(l) + 1);
+        let seq = Seq::new(id, tokens, max_tokens, seed, lora, tx, Instant::now());
+        self.s.waiting.push_back(seq);
         id
     }
 
@@ -223,4 +222,28 @@ fn generated_blocks_are_cached_for_the_next_turn() {
     let (out, _) = r.step();
     // 8 generated tokens had KV computed (the 9th was sampled last): 16 tokens = 4 blocks.
     assert_eq!(out.prefix_hits, 16);
+}
+
+#[test]
+fn max_loras_skips_other_adapters_without_blocking_the_queue() {
+    let mut r = Rig::new(16, 64, 8, 4096); // max_loras = 1
+    let a = r.add_lora(prompt(10, 0), 3, Some(0));
+    let b = r.add_lora(prompt(10, 1), 3, Some(1));
+    let c = r.add_lora(prompt(10, 2), 3, Some(0));
+    let d = r.add(prompt(10, 3), 3);
+    let (out, _) = r.step();
+    assert_eq!(out.admitted, 3);
+    let running: Vec<u64> = r.s.running.iter().map(|s| s.id).collect();
+    assert_eq!(
+        running,
+        [a, c, d],
+        "the base model and the running adapter pass"
+    );
+    assert_eq!(
+        r.s.waiting.front().map(|s| s.id),
+        Some(b),
+        "b keeps its place"
+    );
+    r.drain();
+    assert_eq!(r.s.pool.num_used(), 0);
 }
