@@ -19,6 +19,7 @@
 //! been wiped (restart, re-admission: its state epoch changes) its records are purged.
 
 pub mod index;
+mod lru;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
