@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 
 use crate::arrival::{Arrival, Schedule};
@@ -253,7 +253,7 @@ async fn open_loop(ctx: &Arc<Ctx>, start: Instant, deadline: Instant) -> JoinSet
     let (cont_tx, mut cont_rx) = mpsc::unbounded_channel::<Turn>();
     // Sessions whose next turn is pending (running or thinking); each such task sends its
     // continuation *before* decrementing, so 0 here means nothing more can arrive.
-    let pending = Arc::new(AtomicI64::new(0));
+    let pending = Arc::new(Pending::default());
     let mut ready: VecDeque<Turn> = VecDeque::new();
     let schedule = Schedule::new(ctx.cfg.arrival.clone(), ctx.cfg.seed);
     let deadline_tokio = tokio::time::Instant::from_std(deadline);
@@ -274,19 +274,10 @@ async fn open_loop(ctx: &Arc<Ctx>, start: Instant, deadline: Instant) -> JoinSet
                     turn: 0,
                     answers: Vec::new(),
                 },
-                None => {
-                    if pending.load(Ordering::Acquire) == 0 {
-                        match cont_rx.try_recv() {
-                            Ok(t) => t,
-                            Err(_) => break,
-                        }
-                    } else {
-                        tokio::select! {
-                            t = cont_rx.recv() => match t { Some(t) => t, None => break },
-                            _ = tokio::time::sleep_until(deadline_tokio) => break,
-                        }
-                    }
-                }
+                None => match wait_for_turn(&mut cont_rx, &pending, deadline_tokio).await {
+                    Some(t) => t,
+                    None => break,
+                },
             },
         };
         if !ctx.claim() {
@@ -320,18 +311,48 @@ async fn open_loop(ctx: &Arc<Ctx>, start: Instant, deadline: Instant) -> JoinSet
     tasks
 }
 
+/// Waits for the next conversation turn; `None` when none can come any more (no session
+/// pending and nothing queued) or at the deadline.
+async fn wait_for_turn(
+    rx: &mut mpsc::UnboundedReceiver<Turn>,
+    pending: &Pending,
+    deadline: tokio::time::Instant,
+) -> Option<Turn> {
+    loop {
+        if pending.count.load(Ordering::Acquire) == 0 {
+            // Continuations are sent before the count drops: all of them are queued now.
+            return rx.try_recv().ok();
+        }
+        tokio::select! {
+            t = rx.recv() => return t,
+            // A session ended without a continuation (failed turn): re-check the count.
+            _ = pending.changed.notified() => {}
+            _ = tokio::time::sleep_until(deadline) => return None,
+        }
+    }
+}
+
+/// Sessions whose next turn may still come, and a wake-up when that number drops.
+#[derive(Default)]
+struct Pending {
+    count: AtomicI64,
+    changed: Notify,
+}
+
 /// Counts a session as pending while its current turn's task lives.
-struct PendingGuard(Arc<AtomicI64>);
+struct PendingGuard(Arc<Pending>);
 
 impl PendingGuard {
-    fn new(n: &Arc<AtomicI64>) -> Self {
-        n.fetch_add(1, Ordering::AcqRel);
-        PendingGuard(Arc::clone(n))
+    fn new(p: &Arc<Pending>) -> Self {
+        p.count.fetch_add(1, Ordering::AcqRel);
+        PendingGuard(Arc::clone(p))
     }
 }
 
 impl Drop for PendingGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.count.fetch_sub(1, Ordering::AcqRel);
+        // notify_one keeps a permit when nobody waits yet, so the wake-up is never lost.
+        self.0.changed.notify_one();
     }
 }

@@ -165,8 +165,50 @@ async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
         assert_eq!(fleet.prefix_cache_queries as u64, bound.prompt_tokens);
         assert_eq!(fleet.prefix_cache_hits as u64, bound.max_hit_tokens);
         assert!((s.hit_rate_vs_max.unwrap() - 1.0).abs() < 1e-9);
+        // The run ends when the last turn does, not at the 60 s limit.
+        assert!(s.duration_s < 20.0, "{arrival:?} ran {} s", s.duration_s);
         sim.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_turns_end_their_conversation_without_stalling_the_open_loop() {
+    let spec = WorkloadSpec::MultiTurn {
+        conversations: 6,
+        turns: 4,
+        system_tokens: 32,
+        user_tokens: 8,
+        output_tokens: 4,
+    };
+    let workload = Arc::new(Workload::new(spec, 4));
+    let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+        time_scale: 50.0,
+        fail_rate: 0.5,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let cfg = direct_run(
+        &sim.url(),
+        Arrival::Poisson { rate: 300.0 },
+        &workload,
+        Vec::new(),
+    );
+    let out = run(cfg, workload).await.unwrap();
+    let s = &out.summary;
+    assert!(s.errors.get("http_500").copied().unwrap_or(0) > 0, "{s:?}");
+    assert_eq!(s.ok + s.error_count(), s.requests);
+    assert!(
+        s.requests < 24,
+        "failed conversations must stop: {}",
+        s.requests
+    );
+    assert!(
+        s.duration_s < 20.0,
+        "stalled until the limit: {} s",
+        s.duration_s
+    );
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
