@@ -71,10 +71,12 @@ fn hashing(c: &mut Criterion) {
 /// A pool of `n` healthy backends serving `m`, with fresh metrics, and a scheduler using the
 /// default profile whose prefix index already holds `groups` prompts spread over the pool.
 fn fleet(n: usize, groups: usize, prompt_len: usize) -> (Arc<Scheduler>, Vec<RequestView>) {
-    let mut config = Config::default();
-    config.backends = (0..n)
-        .map(|i| BackendConfig::from_url(format!("http://127.0.0.1:{}", 20_000 + i)))
-        .collect();
+    let mut config = Config {
+        backends: (0..n)
+            .map(|i| BackendConfig::from_url(format!("http://127.0.0.1:{}", 20_000 + i)))
+            .collect(),
+        ..Config::default()
+    };
     config.poller.stale_after_ms = 3_600_000;
     let pool = Arc::new(Pool::from_config(&config).unwrap());
     for (i, b) in pool.backends().iter().enumerate() {
