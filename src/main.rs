@@ -43,6 +43,10 @@ struct Cli {
     /// Validate the configuration and exit.
     #[arg(long)]
     check: bool,
+    /// Demo: start N simulated vLLM servers in this process and route to them (needs the
+    /// `demo` feature: `cargo run --release --features demo -- --demo 4`).
+    #[arg(long, value_name = "N")]
+    demo: Option<usize>,
 }
 
 impl Cli {
@@ -112,6 +116,42 @@ async fn shutdown_signal() {
     }
 }
 
+/// The model the demo's simulators serve.
+const DEMO_MODEL: &str = "demo-llama";
+
+#[cfg(feature = "demo")]
+type DemoFleet = Vec<vllm_sim::SimHandle>;
+#[cfg(not(feature = "demo"))]
+type DemoFleet = ();
+
+/// Start `n` simulators on loopback and make them the only backends.
+#[cfg(feature = "demo")]
+async fn start_demo_fleet(n: usize, config: &mut Config) -> Result<DemoFleet, String> {
+    if n == 0 || n > 64 {
+        return Err("N must be between 1 and 64".into());
+    }
+    let sim = vllm_sim::SimConfig {
+        served_model_name: vec![DEMO_MODEL.into()],
+        ..Default::default()
+    };
+    let fleet = vllm_sim::spawn_fleet(n, sim)
+        .await
+        .map_err(|e| e.to_string())?;
+    config.backends = fleet
+        .iter()
+        .map(|s| BackendConfig::from_url(s.url()))
+        .collect();
+    for s in &fleet {
+        println!("simulated vLLM server ({DEMO_MODEL}) on {}", s.url());
+    }
+    Ok(fleet)
+}
+
+#[cfg(not(feature = "demo"))]
+async fn start_demo_fleet(_n: usize, _config: &mut Config) -> Result<DemoFleet, String> {
+    Err("this binary was built without the demo; run `cargo run --release --features demo -- --demo 4`".into())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -126,7 +166,19 @@ async fn main() -> ExitCode {
         None => Config::default(),
     };
     let check = cli.check;
-    let config = cli.apply(config);
+    let demo = cli.demo;
+    let mut config = cli.apply(config);
+    // Keep the simulators alive for as long as the router runs.
+    let _fleet = match demo {
+        None => None,
+        Some(n) => match start_demo_fleet(n, &mut config).await {
+            Ok(fleet) => Some(fleet),
+            Err(e) => {
+                eprintln!("inferlb: --demo: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
     telemetry::init_logging(config.log_format, &config.log_level);
     if let Err(e) = config
         .validate()
@@ -156,6 +208,15 @@ async fn main() -> ExitCode {
         },
         None => None,
     };
+    if demo.is_some() {
+        let addr = main.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        println!("\ninferlb demo ready on http://{addr} — try:\n");
+        println!(
+            "  curl -N http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{DEMO_MODEL}\",\"stream\":true,\"max_tokens\":32,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\n"
+        );
+        println!("  curl -s http://{addr}/admin/backends     # what the router sees");
+        println!("  curl -s http://{addr}/metrics            # inferlb's own metrics\n");
+    }
     match run(config, Listeners { main, admin }, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -122,16 +122,14 @@ async fn binary_serves_requests_with_cli_overrides() {
 
 /// Start the binary in front of `backend`; returns the child and its address.
 fn spawn_binary(backend: &FakeBackend) -> (std::process::Child, String) {
+    spawn_with(&["--config", "config.toml", "--backend", &backend.url()])
+}
+
+/// Start the binary with `args` on a free port; returns the child and its address.
+fn spawn_with(args: &[&str]) -> (std::process::Child, String) {
     let mut child = Command::new(BIN)
-        .args([
-            "--config",
-            "config.toml",
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ])
-        .args(["--backend", &backend.url()])
+        .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -139,7 +137,10 @@ fn spawn_binary(backend: &FakeBackend) -> (std::process::Child, String) {
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
     for line in lines.by_ref() {
-        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        // The demo also prints plain lines for people; only JSON log lines matter here.
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line.unwrap()) else {
+            continue;
+        };
         if let Some(addr) = v["fields"]["main_addr"].as_str() {
             // Keep draining stdout so the child never blocks on a full pipe.
             std::thread::spawn(move || for _ in lines {});
@@ -193,4 +194,33 @@ async fn first_signal_drains_second_exits_at_once() {
     .expect("the second signal must end the process promptly")
     .unwrap();
     assert_eq!(status.code(), Some(130));
+}
+
+#[cfg(feature = "demo")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_serves_a_streaming_chat_in_front_of_simulators() {
+    let (mut child, addr) = tokio::task::block_in_place(|| spawn_with(&["--demo", "2"]));
+    let body = serde_json::json!({
+        "model": "demo-llama", "stream": true, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hello!"}]
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().contains_key("x-inferlb-backend"));
+    let text = resp.text().await.unwrap();
+    assert_eq!(text.matches("chat.completion.chunk").count(), 5, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success());
 }
