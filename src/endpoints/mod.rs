@@ -78,6 +78,8 @@ pub struct BackendState {
     pub consecutive_failures: u32,
     pub consecutive_successes: u32,
     pub last_error: Option<String>,
+    /// Has answered at least one scrape (the first answer admits at once).
+    pub seen: bool,
 }
 
 impl BackendState {
@@ -98,6 +100,7 @@ impl BackendState {
             consecutive_failures: 0,
             consecutive_successes: 0,
             last_error: None,
+            seen: false,
         }
     }
 

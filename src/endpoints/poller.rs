@@ -37,37 +37,47 @@ pub fn next_state(
     now: Instant,
 ) -> BackendState {
     let mut next = prev.clone();
-    match scrape {
+    let answered = match scrape {
         Scrape::Ok(metrics) => {
             // A prefix-cache counter going backwards means the server restarted with a cold cache.
             let restarted = matches!(
                 (prev.metrics.as_ref().and_then(|(m, _)| m.prefix_cache_queries), metrics.prefix_cache_queries),
                 (Some(before), Some(after)) if after < before
             );
+            if restarted && prev.healthy {
+                next.epoch += 1;
+            }
             next.metrics = Some((metrics, now));
-            next.consecutive_failures = 0;
-            next.consecutive_successes = prev.consecutive_successes.saturating_add(1);
             next.last_error = None;
-            let first_ever = !prev.healthy && prev.epoch == 0 && prev.metrics.is_none();
-            if !prev.healthy && (first_ever || next.consecutive_successes >= cfg.healthy_after) {
-                next.healthy = true;
-                if !first_ever {
-                    next.epoch += 1;
-                }
-            } else if restarted {
+            true
+        }
+        // The server is up (it answered 2xx) but its page is unusable: health as for a
+        // success, while its old metrics are kept with their old time and go stale.
+        Scrape::Unusable(reason) => {
+            next.last_error = Some(reason);
+            true
+        }
+        Scrape::Failed(reason) => {
+            next.last_error = Some(reason);
+            false
+        }
+    };
+    if answered {
+        next.consecutive_failures = 0;
+        next.consecutive_successes = prev.consecutive_successes.saturating_add(1);
+        let first_ever = !prev.healthy && prev.epoch == 0 && !prev.seen;
+        if !prev.healthy && (first_ever || next.consecutive_successes >= cfg.healthy_after) {
+            next.healthy = true;
+            if !first_ever {
                 next.epoch += 1;
             }
         }
-        Scrape::Unusable(reason) => {
-            next.last_error = Some(reason);
-        }
-        Scrape::Failed(reason) => {
-            next.consecutive_successes = 0;
-            next.consecutive_failures = prev.consecutive_failures.saturating_add(1);
-            next.last_error = Some(reason);
-            if prev.healthy && next.consecutive_failures >= cfg.unhealthy_after {
-                next.healthy = false;
-            }
+        next.seen = true;
+    } else {
+        next.consecutive_successes = 0;
+        next.consecutive_failures = prev.consecutive_failures.saturating_add(1);
+        if prev.healthy && next.consecutive_failures >= cfg.unhealthy_after {
+            next.healthy = false;
         }
     }
     next
@@ -318,6 +328,18 @@ mod tests {
             "old metrics kept with their old time"
         );
         assert_eq!(t.consecutive_failures, 0);
+    }
+
+    #[test]
+    fn a_server_with_an_unusable_page_is_admitted_without_metrics() {
+        let s = next_state(
+            &fresh(),
+            Scrape::Unusable("garbage".into()),
+            &cfg(),
+            Instant::now(),
+        );
+        assert!(s.healthy);
+        assert!(s.metrics.is_none());
     }
 
     #[test]

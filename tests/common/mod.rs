@@ -356,3 +356,28 @@ pub fn healthy(v: &serde_json::Value, url: &str) -> bool {
         .iter()
         .any(|b| b["url"] == url && b["healthy"] == true)
 }
+
+/// Wait until the router's admin view satisfies `pred`, re-reading it after each of the
+/// router's own poll intervals (20 ms in tests), for at most 10 s.
+pub async fn until_backends_json(router: &TestRouter, pred: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        let v: serde_json::Value = client()
+            .get(router.url("/admin/backends"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if pred(&v) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the router never reached the expected state: {v}"
+        );
+        tick.tick().await;
+    }
+}

@@ -1,0 +1,245 @@
+//! Fault tests against the in-repo vLLM simulator: backends that die under load, metrics that
+//! hang or turn to garbage, streams cut mid-way, a whole fleet down and back, and client
+//! disconnects that must free the backend's KV cache.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, start_router, until_backends_json, TestRouter};
+use futures_util::StreamExt;
+use inferlb::config::{BackendConfig, Config};
+use vllm_sim::{SimConfig, SimHandle};
+
+const MODEL: &str = "sim-model";
+
+async fn fleet(n: usize, time_scale: f64) -> Vec<SimHandle> {
+    let cfg = SimConfig {
+        served_model_name: vec![MODEL.into()],
+        time_scale,
+        ..Default::default()
+    };
+    vllm_sim::spawn_fleet(n, cfg).await.unwrap()
+}
+
+fn config(sims: &[SimHandle]) -> Config {
+    let mut c = Config::default();
+    c.poller.interval_ms = 20;
+    c.poller.timeout_ms = 200;
+    c.backends = sims
+        .iter()
+        .map(|s| BackendConfig::from_url(s.url()))
+        .collect();
+    c
+}
+
+fn chat_body(prompt: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": MODEL, "stream": stream, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": prompt}]
+    })
+}
+
+fn healthy(v: &serde_json::Value, url: &str) -> bool {
+    common::healthy(v, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_killed_under_load_costs_no_client_errors() {
+    let sims = fleet(3, 20.0).await;
+    let router = start_router(config(&sims)).await;
+    let url = router.url("/v1/chat/completions");
+    let mut tasks = Vec::new();
+    for i in 0..45 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = chat_body(&format!("request {i} about something"), 200, false);
+            client()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }));
+    }
+    // Kill backend 0 once it is busy with some of them.
+    let (_, busy) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| s.running >= 2)
+        .await;
+    assert!(busy, "backend 0 never got work");
+    sims[0].faults().refuse_connections();
+    sims[0].faults().wait_listening(false).await;
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "client-visible errors: {statuses:?}"
+    );
+    // The dead backend is excluded, then re-admitted when it comes back.
+    let dead = sims[0].url();
+    until_backends_json(&router, |v| !healthy(v, &dead)).await;
+    sims[0].faults().accept_connections();
+    sims[0].faults().wait_listening(true).await;
+    until_backends_json(&router, |v| healthy(v, &dead)).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_metrics_delay_no_one_else_and_garbage_is_ignored() {
+    let sims = fleet(2, 20.0).await;
+    sims[0].faults().set_metrics_hang(true);
+    sims[1].faults().set_metrics_garbage(true);
+    let router = start_router(config(&sims)).await;
+    // Requests are served without waiting for the hung scrape.
+    for i in 0..5 {
+        let started = std::time::Instant::now();
+        let resp = client()
+            .post(router.url("/v1/chat/completions"))
+            .json(&chat_body(&format!("q{i}"), 4, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    // The hung backend times out (200 ms) and is ejected after 3 failures; the garbage one
+    // answers, so it stays healthy, its parse errors counted.
+    let hung = sims[0].url();
+    let garbage = sims[1].url();
+    until_backends_json(&router, |v| !healthy(v, &hung) && healthy(v, &garbage)).await;
+    let page = client()
+        .get(router.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("inferlb_backend_scrape_errors_total")
+                && l.contains(&garbage)
+                && l.contains("kind=\"parse\"")),
+        "{page}"
+    );
+    assert!(page
+        .lines()
+        .any(|l| l.starts_with("inferlb_backend_scrape_errors_total")
+            && l.contains(&hung)
+            && l.contains("kind=\"timeout\"")));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_mid_way_ends_with_an_error_event() {
+    let sims = fleet(1, 50.0).await;
+    sims[0].faults().set_cut_stream_after(Some(3));
+    let mut cfg = config(&sims);
+    cfg.forward.retry_on_status = false;
+    let router = start_router(cfg).await;
+    let resp = client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&chat_body("tell me a story", 20, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(text.contains("chat.completion.chunk"), "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    let last = text.trim_end().lines().last().unwrap();
+    let v: serde_json::Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "stream_interrupted");
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_fleet_down_gives_fast_503_then_recovers() {
+    let sims = fleet(2, 20.0).await;
+    let router = start_router(config(&sims)).await;
+    for s in &sims {
+        s.faults().refuse_connections();
+        s.faults().wait_listening(false).await;
+    }
+    until_backends_json(&router, |v| {
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["healthy"] == false)
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let resp = client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&chat_body("anyone?", 4, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "must fail fast: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        client()
+            .get(router.url("/ready"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    sims[1].faults().accept_connections();
+    sims[1].faults().wait_listening(true).await;
+    let back = sims[1].url();
+    until_backends_json(&router, |v| healthy(v, &back)).await;
+    let resp = client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&chat_body("back?", 4, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-inferlb-backend"], back.as_str());
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_aborts_and_frees_kv_cache() {
+    let sims = fleet(1, 5.0).await;
+    let router: TestRouter = start_router(config(&sims)).await;
+    let prompt = "a long prompt that fills some blocks ".repeat(40);
+    let resp = client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&chat_body(&prompt, 2000, true))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let _ = stream.next().await.unwrap().unwrap();
+    let (held, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.used_blocks > 0 && s.running == 1
+        })
+        .await;
+    assert!(ok, "the request should be running: {held:?}");
+    drop(stream);
+    let (after, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.aborted == 1 && s.used_blocks == 0
+        })
+        .await;
+    assert!(ok, "the backend must abort and free its blocks: {after:?}");
+    assert_eq!(after.kv_usage, 0.0);
+    router.shutdown().await;
+}
