@@ -10,7 +10,9 @@ BACKENDS=2
 cargo build --release -p loadgen -p inferlb -p vllm-sim
 LG=target/release/loadgen
 if ! command -v nginx >/dev/null; then
-  apt-get install -y nginx >/dev/null || { echo "overhead.sh: nginx is required" >&2; exit 1; }
+  apt-get install -y nginx >/dev/null 2>&1 \
+    || { apt-get update >/dev/null && apt-get install -y nginx >/dev/null; } \
+    || { echo "overhead.sh: nginx is required (apt-get install -y nginx)" >&2; exit 1; }
 fi
 NGINX=$(command -v nginx)
 

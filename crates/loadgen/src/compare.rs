@@ -74,6 +74,8 @@ pub struct CompareOutput {
     pub time_scale: f64,
     pub arrival: Arrival,
     pub max_hit_rate: Option<f64>,
+    /// The same bound for a cache that also keeps whole prompts (repeats hit entirely).
+    pub max_hit_rate_unlimited: Option<f64>,
     pub rows: Vec<Row>,
 }
 
@@ -100,6 +102,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
     let ts = cfg.time_scale;
     let mut rows = Vec::new();
     let mut max_hit_rate = None;
+    let mut max_hit_rate_unlimited = None;
     for policy in &cfg.policies {
         eprintln!("[compare {}] policy {} …", cfg.name, policy.name());
         let fleet = vllm_sim::spawn_fleet(cfg.backends, sim.clone()).await?;
@@ -146,6 +149,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     Ok(out) => {
                         if let Some(b) = &out.summary.max_hit {
                             max_hit_rate = Some(b.rate());
+                            max_hit_rate_unlimited = Some(b.unlimited_rate());
                         }
                         Row {
                             policy: policy.name().into(),
@@ -179,6 +183,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
         time_scale: ts,
         arrival: cfg.arrival.clone(),
         max_hit_rate,
+        max_hit_rate_unlimited,
         rows,
     })
 }
@@ -279,12 +284,15 @@ impl CompareOutput {
         let _ = writeln!(
             s,
             "{} backends × {} KV blocks of {} tokens; times in simulated seconds (time scale {}); \
-             max achievable hit rate {}.",
+             max achievable hit rate {} (shared prefixes each missing once; hit/max divides by \
+             it), {} if whole prompts stayed cached too.",
             self.backends,
             self.num_gpu_blocks,
             self.block_size,
             self.time_scale,
-            self.max_hit_rate.map_or("-".into(), |r| format!("{r:.3}"))
+            self.max_hit_rate.map_or("-".into(), |r| format!("{r:.3}")),
+            self.max_hit_rate_unlimited
+                .map_or("-".into(), |r| format!("{r:.3}"))
         );
         for r in &self.rows {
             if let Some(f) = &r.failure {

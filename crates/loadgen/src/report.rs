@@ -243,7 +243,13 @@ impl Summary {
                 f.backends, f.hit_rate
             );
             if let (Some(b), Some(r)) = (&self.max_hit, self.hit_rate_vs_max) {
-                let _ = write!(s, " (max achievable {:.3}, ratio {:.2})", b.rate(), r);
+                let _ = write!(
+                    s,
+                    " (max achievable {:.3}, ratio {:.2}; unlimited cache {:.3})",
+                    b.rate(),
+                    r,
+                    b.unlimited_rate()
+                );
             }
             let _ = writeln!(
                 s,

@@ -269,38 +269,56 @@ impl Workload {
     }
 }
 
-/// The best hit rate any router could reach: an infinite cache that holds every block once
-/// computed (see [`max_hit`]).
+/// The best hit rates a router could reach on the requests sent (see [`max_hit`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct HitBound {
     pub prompt_tokens: u64,
+    /// Shared prefixes only: each group's prefix (or conversation's history) misses once,
+    /// every later request hits it in full blocks. `hit/max` in the tables divides by this.
     pub max_hit_tokens: u64,
+    /// An unlimited cache that also keeps every whole prompt, so a prompt sent again hits
+    /// entirely (≥ `max_hit_tokens`; equal for multi-turn and unique).
+    pub max_hit_tokens_unlimited: u64,
 }
 
 impl HitBound {
     pub fn rate(&self) -> f64 {
-        if self.prompt_tokens == 0 {
-            0.0
-        } else {
-            self.max_hit_tokens as f64 / self.prompt_tokens as f64
-        }
+        ratio(self.max_hit_tokens, self.prompt_tokens)
+    }
+
+    pub fn unlimited_rate(&self) -> f64 {
+        ratio(self.max_hit_tokens_unlimited, self.prompt_tokens)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
     }
 }
 
 /// Maximum achievable prefix-cache hits for the requests `(session, turn)` in send order.
 ///
-/// Formula: replay the requests through one cache of unlimited size that uses vLLM's rules —
-/// prompt = the chat template rendered and tokenised as the simulator does; a request can
-/// reuse at most its leading *full* blocks of `block_size` tokens, and never its last prompt
-/// token (`⌊(len − 1)/block_size⌋` blocks); after it runs, its prompt and generated tokens
-/// (all but the last, whose KV is never computed) are cached in full blocks. So each group's
-/// shared prefix misses exactly once, and every later request hits that prefix rounded down to
-/// whole blocks: for shared-prefix, Σ hits = Σ_groups (n_g − 1) × ⌊prefix_g / block_size⌋ ×
-/// block_size where n_g is the group's request count. Answers are assumed to be the
-/// simulator's deterministic filler text (which is what it returns under `ignore_eos`).
+/// Formula: replay the requests through a cache with vLLM's rules — prompt = the chat
+/// template rendered and tokenised as the simulator does; a request reuses at most its
+/// leading *full* blocks of `block_size` tokens, and never its last prompt token
+/// (`⌊(len − 1)/block_size⌋` blocks). What the cache keeps after a request:
+///
+/// * `max_hit_tokens` (the bound the tables use): only the *shareable prefix* — for
+///   shared-prefix the group's rendered system prompt, for multi-turn the whole prompt plus
+///   the generated tokens (all but the last, whose KV is never computed), for unique nothing.
+///   So each group's prefix misses exactly once, and Σ hits = Σ_groups (n_g − 1) ×
+///   ⌊prefix_g / block_size⌋ × block_size, n_g being the group's request count.
+/// * `max_hit_tokens_unlimited`: every prompt and answer, so repeats of a whole prompt hit too.
+///
+/// Answers are taken to be the simulator's deterministic filler text (what it returns under
+/// `ignore_eos`).
 pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) -> HitBound {
     let bs = block_size.max(1);
-    let mut cached: HashSet<u64> = HashSet::new();
+    let mut shared: HashSet<u64> = HashSet::new();
+    let mut unlimited: HashSet<u64> = HashSet::new();
     let mut bound = HitBound::default();
     let mut last: Option<(u64, Session)> = None;
     for &(id, turn) in requests {
@@ -317,15 +335,31 @@ pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) 
         bound.prompt_tokens += prompt_len as u64;
         let hashes = chain_hashes(&tokens, bs);
         let reusable = prompt_len.saturating_sub(1) / bs;
-        let hit = hashes
-            .iter()
-            .take(reusable)
-            .take_while(|h| cached.contains(h))
-            .count();
-        bound.max_hit_tokens += (hit * bs) as u64;
+        let hits = |cache: &HashSet<u64>| {
+            let n = hashes
+                .iter()
+                .take(reusable)
+                .take_while(|h| cache.contains(h));
+            (n.count() * bs) as u64
+        };
+        bound.max_hit_tokens += hits(&shared);
+        bound.max_hit_tokens_unlimited += hits(&unlimited);
         let out = session.output_tokens;
         tokens.extend((0..out.saturating_sub(1)).map(tokenizer::filler_id));
-        cached.extend(chain_hashes(&tokens, bs));
+        let all = chain_hashes(&tokens, bs);
+        let shareable_blocks = match workload.spec {
+            WorkloadSpec::MultiTurn { .. } => all.len(),
+            WorkloadSpec::Unique { .. } => 0,
+            WorkloadSpec::SharedPrefix { .. } => {
+                // The system message alone ends in a "\n" piece that the full prompt glues to
+                // the next word, so the shared tokens stop one short of that rendering.
+                let system = session.system.as_deref().unwrap_or_default();
+                let only = tokenizer::render_chat(&[msg("system", system)], false);
+                tokenizer::tokenize(&only).len().saturating_sub(1) / bs
+            }
+        };
+        shared.extend(all.iter().take(shareable_blocks).copied());
+        unlimited.extend(all);
         last = Some((id, session));
     }
     bound
@@ -404,13 +438,18 @@ mod tests {
         let shared_chars = format!("<|system|>\n{}\n<|user|>\n", s0.system.clone().unwrap());
         let shared_tokens = tokenizer::tokenize(&shared_chars).len();
         let expect = 4 * 2 * (shared_tokens / 16 * 16) as u64;
-        // The prefix may extend a token into the question (both start with a space-led word).
         assert!(
             b.max_hit_tokens >= expect - 4 * 2 * 16 && b.max_hit_tokens <= expect,
             "{} vs {expect}",
             b.max_hit_tokens
         );
         assert!(b.rate() > 0.4 && b.rate() < 0.67, "{}", b.rate());
+        // A second pass repeats every prompt: only the unlimited cache hits the questions.
+        let twice: Vec<(u64, u32)> = (0..24).map(|i| (i, 0)).collect();
+        let b2 = max_hit(&w, &twice, 16);
+        assert!(b2.unlimited_rate() > b2.rate() + 0.1, "{b2:?}");
+        // Two passes: 5 of each group's 6 requests hit its prefix, against 2 of 3 before.
+        assert_eq!(b2.max_hit_tokens * 2, b.max_hit_tokens * 5);
         let u = Workload::new(
             WorkloadSpec::Unique {
                 prompt_tokens: 64,
