@@ -155,11 +155,13 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
     };
     let start = Instant::now();
     let deadline = start + cfg.duration;
-    let mut tasks = match cfg.arrival {
-        Arrival::Closed { concurrency } => closed_loop(&ctx, concurrency, deadline),
-        _ => open_loop(&ctx, start, deadline).await,
+    // The drain clock starts when sending stops: after the open loop returns, or at the
+    // deadline for closed-loop workers (which keep sending until then).
+    let (mut tasks, sending_ends) = match cfg.arrival {
+        Arrival::Closed { concurrency } => (closed_loop(&ctx, concurrency, deadline), deadline),
+        _ => (open_loop(&ctx, start, deadline).await, Instant::now()),
     };
-    let drain_until = tokio::time::Instant::now() + cfg.drain_timeout;
+    let drain_until = tokio::time::Instant::from_std(sending_ends + cfg.drain_timeout);
     loop {
         match tokio::time::timeout_at(drain_until, tasks.join_next()).await {
             Ok(Some(_)) => {}

@@ -212,6 +212,41 @@ async fn failed_turns_end_their_conversation_without_stalling_the_open_loop() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_loop_sends_until_the_deadline_not_the_drain_timeout() {
+    let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+        instant: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let workload = Arc::new(Workload::new(
+        WorkloadSpec::Unique {
+            prompt_tokens: 8,
+            output_tokens: 2,
+        },
+        1,
+    ));
+    let mut cfg = direct_run(
+        &sim.url(),
+        Arrival::Closed { concurrency: 4 },
+        &workload,
+        Vec::new(),
+    );
+    cfg.max_requests = None;
+    cfg.duration = Duration::from_millis(1500);
+    cfg.drain_timeout = Duration::from_millis(500);
+    let out = run(cfg, workload).await.unwrap();
+    let s = &out.summary;
+    assert_eq!(s.error_count(), 0, "{:?}", s.errors);
+    assert!(
+        s.duration_s >= 1.5 && s.duration_s < 3.0,
+        "{}",
+        s.duration_s
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
     let port = loadgen::router::free_port().unwrap();
     let workload = Arc::new(Workload::new(
