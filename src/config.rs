@@ -615,11 +615,17 @@ mod shipped {
         );
         assert_eq!(c.backend_header, d.backend_header);
         assert_eq!(c.session_header, d.session_header);
-        assert_eq!(c.server.header_read_timeout_ms, d.server.header_read_timeout_ms);
+        assert_eq!(
+            c.server.header_read_timeout_ms,
+            d.server.header_read_timeout_ms
+        );
         assert_eq!(c.server.body_read_timeout_ms, d.server.body_read_timeout_ms);
         assert_eq!(c.server.shutdown_timeout_ms, d.server.shutdown_timeout_ms);
         assert_eq!(c.server.max_json_depth, d.server.max_json_depth);
-        assert_eq!(c.forward.stream_idle_timeout_ms, d.forward.stream_idle_timeout_ms);
+        assert_eq!(
+            c.forward.stream_idle_timeout_ms,
+            d.forward.stream_idle_timeout_ms
+        );
         assert_eq!(c.forward.request_timeout_ms, d.forward.request_timeout_ms);
         assert_eq!(c.forward.retry_on_status, d.forward.retry_on_status);
         assert_eq!(c.forward.retry_budget_ratio, d.forward.retry_budget_ratio);
@@ -627,12 +633,24 @@ mod shipped {
         assert_eq!(c.forward.backoff_base_ms, d.forward.backoff_base_ms);
         assert_eq!(c.forward.backoff_max_ms, d.forward.backoff_max_ms);
         assert_eq!(c.limits.max_inflight, d.limits.max_inflight);
-        assert_eq!(c.limits.max_inflight_per_backend, d.limits.max_inflight_per_backend);
+        assert_eq!(
+            c.limits.max_inflight_per_backend,
+            d.limits.max_inflight_per_backend
+        );
         assert_eq!(c.limits.max_queued, d.limits.max_queued);
         assert_eq!(c.limits.queue_timeout_ms, d.limits.queue_timeout_ms);
-        assert_eq!(c.outlier_detection.consecutive_failures, d.outlier_detection.consecutive_failures);
-        assert_eq!(c.outlier_detection.base_ejection_ms, d.outlier_detection.base_ejection_ms);
-        assert_eq!(c.outlier_detection.max_ejection_ms, d.outlier_detection.max_ejection_ms);
+        assert_eq!(
+            c.outlier_detection.consecutive_failures,
+            d.outlier_detection.consecutive_failures
+        );
+        assert_eq!(
+            c.outlier_detection.base_ejection_ms,
+            d.outlier_detection.base_ejection_ms
+        );
+        assert_eq!(
+            c.outlier_detection.max_ejection_ms,
+            d.outlier_detection.max_ejection_ms
+        );
         assert_eq!(c.auth.api_keys, d.auth.api_keys);
         assert_eq!(c.auth.requests_per_second, d.auth.requests_per_second);
         assert_eq!(c.auth.burst, d.auth.burst);

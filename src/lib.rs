@@ -108,7 +108,7 @@ pub async fn run(
         .service(Forwarder::new(
             &config.forward,
             &config.outlier_detection,
-            backend_header,
+            backend_header.clone(),
         ));
     let state = Arc::new(AppState {
         config: Arc::clone(&config),
@@ -116,6 +116,7 @@ pub async fn run(
         service,
         metrics,
         session_header,
+        backend_header,
         auth: Arc::new(front_door::auth::Auth::from_config(&config.auth)?),
     });
 

@@ -14,6 +14,8 @@ pub const REQUESTS_TOTAL: &str = "inferlb_requests_total";
 pub const REQUEST_DURATION: &str = "inferlb_request_duration_seconds";
 pub const TIME_TO_FIRST_BYTE: &str = "inferlb_time_to_first_byte_seconds";
 pub const SCHEDULING_DURATION: &str = "inferlb_scheduling_duration_seconds";
+pub const UPSTREAM_RESPONSES: &str = "inferlb_upstream_responses_total";
+pub const STREAMS_INTERRUPTED: &str = "inferlb_streams_interrupted_total";
 pub const UPSTREAM_ATTEMPT_FAILURES: &str = "inferlb_upstream_attempt_failures_total";
 pub const CLIENT_DISCONNECTS: &str = "inferlb_client_disconnects_total";
 pub const BACKEND_HEALTHY: &str = "inferlb_backend_healthy";
@@ -28,7 +30,9 @@ pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
-    (REQUESTS_TOTAL, "Requests answered, by backend, model and HTTP status code (backend=\"none\" when none was reached)."),
+    (REQUESTS_TOTAL, "Client requests answered, once each, by backend, model and final HTTP status code (backend=\"none\" when none answered)."),
+    (UPSTREAM_RESPONSES, "Responses received from backends, per attempt (retries count again), by backend and status code."),
+    (STREAMS_INTERRUPTED, "Responses whose body broke after the headers (cut, idle or over time), by backend."),
     (REQUEST_DURATION, "Time from receiving a request to the end of its response body, by backend and model."),
     (TIME_TO_FIRST_BYTE, "Time from receiving a request to the first response body byte from the backend, by backend and model."),
     (SCHEDULING_DURATION, "Time spent choosing a backend for one request."),

@@ -10,7 +10,9 @@ use inferlb::endpoints::prometheus::samples;
 use inferlb::prompt::{json_depth, Operation, RequestView};
 
 fn corpus(name: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(name);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(name);
     let mut inputs: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| std::fs::read(e.unwrap().path()).unwrap())
@@ -26,7 +28,11 @@ fn prompt_corpus() {
     let mut parsed = 0;
     for data in &inputs {
         let _ = json_depth(data);
-        for op in [Operation::ChatCompletions, Operation::Completions, Operation::Other] {
+        for op in [
+            Operation::ChatCompletions,
+            Operation::Completions,
+            Operation::Other,
+        ] {
             if let Ok(view) = RequestView::parse(op, data) {
                 assert_eq!(view.routing_text.is_some(), op != Operation::Other);
                 parsed += 1;

@@ -112,6 +112,10 @@ impl GuardedBody {
     /// End the response because of `reason`: an error event for SSE, an error otherwise.
     fn fail(&mut self, reason: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         tracing::warn!(error = %reason, "response stream broken");
+        if let Some(guard) = &self.guard {
+            metrics::counter!(t::STREAMS_INTERRUPTED, "backend" => guard.backend().name.clone())
+                .increment(1);
+        }
         self.finish(Outcome::Failed);
         if self.sse {
             self.closed = true;

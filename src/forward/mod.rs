@@ -172,9 +172,8 @@ impl tower::Service<Dispatch> for Forwarder {
                 backend.passive().record_success();
             }
             metrics::counter!(
-                t::REQUESTS_TOTAL,
+                t::UPSTREAM_RESPONSES,
                 "backend" => backend.name.clone(),
-                "model" => guard.model_label(),
                 "code" => parts.status.as_str().to_owned()
             )
             .increment(1);

@@ -37,6 +37,7 @@ pub struct AppState {
     pub service: SchedulerService<Forwarder>,
     pub metrics: Option<PrometheusHandle>,
     pub session_header: header::HeaderName,
+    pub backend_header: header::HeaderName,
     pub auth: Arc<auth::Auth>,
 }
 
@@ -96,13 +97,28 @@ async fn other(State(app): State<Arc<AppState>>, req: Request) -> Response {
     proxy(app, Operation::Other, req).await
 }
 
+/// Counts every client request exactly once, with its final status.
 async fn proxy(app: Arc<AppState>, operation: Operation, req: Request) -> Response {
     let received_at = Instant::now();
-    match forward(&app, operation, req, received_at).await {
-        Ok(response) => response,
+    // Filled once the model is known to be served, so client-chosen names never become labels.
+    let mut model: Option<String> = None;
+    let result = forward(&app, operation, req, received_at, &mut model).await;
+    let model = model.unwrap_or_else(|| "unknown".into());
+    match result {
+        Ok(response) => {
+            let backend = response
+                .headers()
+                .get(&app.backend_header)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none")
+                .to_owned();
+            metrics::counter!(t::REQUESTS_TOTAL, "backend" => backend, "model" => model, "code" => response.status().as_str().to_owned())
+                .increment(1);
+            response
+        }
         Err(err) => {
             let status = err.parts().0;
-            metrics::counter!(t::REQUESTS_TOTAL, "backend" => "none", "model" => "unknown", "code" => status.as_str().to_owned())
+            metrics::counter!(t::REQUESTS_TOTAL, "backend" => "none", "model" => model, "code" => status.as_str().to_owned())
                 .increment(1);
             if status.is_server_error() {
                 tracing::warn!(error = %err, "request failed");
@@ -119,6 +135,7 @@ async fn forward(
     operation: Operation,
     req: Request,
     received_at: Instant,
+    model_label: &mut Option<String>,
 ) -> Result<Response, Error> {
     let (parts, body) = req.into_parts();
     let server = &app.config.server;
@@ -164,7 +181,12 @@ async fn forward(
         request_id,
         received_at,
     };
-    app.service.clone().oneshot(request).await
+    let model = request.view.model.clone();
+    let result = app.service.clone().oneshot(request).await;
+    if !matches!(result, Err(Error::ModelNotFound(_))) {
+        *model_label = model;
+    }
+    result
 }
 
 /// `.` or `..` path segments, raw or percent-encoded: a backend that normalises them could be
