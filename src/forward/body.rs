@@ -47,7 +47,11 @@ pub struct GuardedBody {
     tail: [u8; 16],
     tail_len: usize,
     limits: BodyLimits,
+    /// Fires every idle period; a frame since the last firing means the stream is alive.
+    /// Re-arming lazily (not on every frame) keeps per-chunk cost to a flag write, at the price
+    /// of cutting a silent stream after between one and two idle periods.
     timer: Pin<Box<Sleep>>,
+    active: bool,
     /// Set once the final error event has been sent; the next poll ends the stream.
     closed: bool,
 }
@@ -73,6 +77,7 @@ impl GuardedBody {
             tail_len: 0,
             limits,
             timer,
+            active: false,
             closed: false,
         }
     }
@@ -165,8 +170,7 @@ impl Body for GuardedBody {
                         }
                     }
                 }
-                let wake = next_wake(&this.limits);
-                this.timer.as_mut().reset(wake);
+                this.active = true;
                 // A server may stop polling once the body says it has ended; settle now.
                 if this.inner.is_end_stream()
                     && !(this.sse && !this.saw_done() && !this.error_status)
