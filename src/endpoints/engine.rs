@@ -8,7 +8,7 @@
 
 use serde::Deserialize;
 
-use super::prometheus::{samples, Sample};
+use super::prometheus::{samples_where, Sample};
 
 /// Metric names for one engine. Counter names may be given with or without `_total`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -157,8 +157,9 @@ fn split_list(v: &str) -> Vec<String> {
 #[error("unreadable metrics page: {0}")]
 pub struct PageError(#[from] super::prometheus::ParseError);
 
-/// Read the signals of `names` from a metrics page. A page with a malformed line is rejected
-/// whole: a server that writes garbage cannot be trusted for the lines that happen to parse.
+/// Read the signals of `names` from a metrics page. A page with a malformed line among the
+/// series read, or a line that is not a series at all, is rejected whole: a server that writes
+/// garbage cannot be trusted for the lines that happen to parse.
 pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, PageError> {
     let one = |n: &Option<String>| n.iter().cloned().collect::<Vec<_>>();
     let (hits_names, queries_names) = (
@@ -172,7 +173,23 @@ pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, Pag
     let mut queries = Signal::new(&queries_names);
     let mut out = LoadMetrics::default();
     let mut lora_stamp = f64::NEG_INFINITY;
-    for sample in samples(page) {
+    let all_names: Vec<&str> = names
+        .waiting
+        .iter()
+        .chain(&names.running)
+        .chain(&names.kv_usage)
+        .chain(&hits_names)
+        .chain(&queries_names)
+        .chain(&names.cache_config)
+        .chain(&names.lora)
+        .map(|n| n.strip_suffix("_total").unwrap_or(n))
+        .collect();
+    // Cheap test per line: most lines of a vLLM page are series nobody here reads.
+    let wanted = |series: &str| {
+        let base = series.strip_suffix("_total").unwrap_or(series);
+        all_names.iter().any(|n| *n == base || *n == series)
+    };
+    for sample in samples_where(page, wanted) {
         let sample = sample?;
         waiting.offer(&sample);
         running.offer(&sample);

@@ -169,10 +169,84 @@ pub fn samples(page: &str) -> impl Iterator<Item = Result<Sample<'_>, ParseError
     })
 }
 
+/// The samples of the series `wanted` accepts by name. Lines of other series are skipped after
+/// reading only their name — on a vLLM page most lines are histogram buckets nobody here
+/// reads — but a line that does not even start with a metric name is still an error, so
+/// a page of HTML or binary garbage is rejected as with [`samples`].
+pub fn samples_where<'a>(
+    page: &'a str,
+    wanted: impl Fn(&str) -> bool + 'a,
+) -> impl Iterator<Item = Result<Sample<'a>, ParseError>> + 'a {
+    // After `# TYPE family …` for a family nobody wants, its lines (`family_bucket{…}`, …) are
+    // skipped with one prefix comparison each, until the next `# TYPE`.
+    let mut skip_family: &'a str = "";
+    page.lines().enumerate().filter_map(move |(i, line)| {
+        if let Some(comment) = line.strip_prefix('#') {
+            if let Some(family) = comment
+                .strip_prefix(" TYPE ")
+                .and_then(|r| r.split_ascii_whitespace().next())
+            {
+                let total = wanted(family) || family_has_wanted_total(family, &wanted);
+                skip_family = if total { "" } else { family };
+            }
+            return None;
+        }
+        if !skip_family.is_empty() && line.starts_with(skip_family) {
+            return None;
+        }
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let name_end = line
+            .bytes()
+            .position(|b| !(b.is_ascii_alphanumeric() || b == b'_' || b == b':'))
+            .unwrap_or(line.len());
+        // Name bytes are ASCII, so `name_end` is a char boundary.
+        let name = &line[..name_end];
+        if name.is_empty() || name.as_bytes()[0].is_ascii_digit() {
+            return Some(Err(ParseError {
+                line: i + 1,
+                reason: "expected a metric name",
+            }));
+        }
+        wanted(name).then(|| parse_line(line, i + 1))
+    })
+}
+
+/// A counter family `x` is exposed as `x_total`: the family is wanted when that series is.
+fn family_has_wanted_total(family: &str, wanted: &impl Fn(&str) -> bool) -> bool {
+    let mut name = String::with_capacity(family.len() + 6);
+    name.push_str(family);
+    name.push_str("_total");
+    wanted(&name)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn samples_where_skips_unwanted_but_rejects_garbage() {
+        let page = "a 1\nb{x=\"1\"} 2\nc{broken 3\n";
+        let got: Vec<_> = samples_where(page, |n| n == "b").collect();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].as_ref().unwrap().value, 2.0);
+        let bad: Vec<_> = samples_where("<html>\n", |_| false).collect();
+        assert!(bad[0].is_err());
+        let real: Vec<_> = samples_where(REAL, |n| n == "vllm:num_requests_running").collect();
+        assert_eq!(real.len(), 1);
+        // Counter families are announced without `_total`; their series must still be found.
+        let hits: Vec<_> = samples_where(REAL, |n| n == "vllm:prefix_cache_hits_total").collect();
+        assert_eq!(hits.len(), 1);
+        assert_eq!(hits[0].as_ref().unwrap().value, 768.0);
+        let skipped = "# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 2\n# TYPE g gauge\ng 5\n";
+        let got: Vec<_> = samples_where(skipped, |n| n == "g")
+            .map(|s| s.unwrap().value)
+            .collect();
+        assert_eq!(got, vec![5.0]);
+    }
 
     const REAL: &str = include_str!("../../tests/fixtures/vllm-0.32-cpu.txt");
 
