@@ -15,6 +15,16 @@ fn stream_body() -> serde_json::Value {
     serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
 }
 
+/// POST a streaming chat request through `router`.
+async fn open_stream(router: &TestRouter) -> reqwest::Response {
+    client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&stream_body())
+        .send()
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_5xx_before_any_byte_is_retried_elsewhere() {
     let bad = FakeBackend::start("bad", &["m"]).await;
@@ -114,12 +124,7 @@ async fn a_queued_request_is_admitted_when_capacity_frees() {
     cfg.limits.max_inflight_per_backend = 1;
     cfg.limits.queue_timeout_ms = 20_000;
     let router = start_router(cfg).await;
-    let first = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let first = open_stream(&router).await;
     let mut first = first.bytes_stream();
     let _ = first.next().await.unwrap().unwrap();
     let url = router.url("/v1/chat/completions");
@@ -153,12 +158,7 @@ async fn client_disconnect_cancels_upstream_and_releases_inflight() {
     let b = FakeBackend::start("a", &["m"]).await;
     b.state.hold_streams.store(true, Ordering::Relaxed);
     let router = start_router(config(&[&b])).await;
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let resp = open_stream(&router).await;
     let mut stream = resp.bytes_stream();
     let _first = stream.next().await.unwrap().unwrap();
     drop(stream);
@@ -176,12 +176,7 @@ async fn a_stream_cut_by_the_backend_ends_with_an_error_event() {
     let b = FakeBackend::start("a", &["m"]).await;
     b.state.cut_streams.store(true, Ordering::Relaxed);
     let router = start_router(config(&[&b])).await;
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let resp = open_stream(&router).await;
     assert_eq!(resp.status(), 200);
     let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
         .await
@@ -202,12 +197,7 @@ async fn idle_stream_is_cut_with_an_error_event() {
     let mut cfg = config(&[&b]);
     cfg.forward.stream_idle_timeout_ms = 200;
     let router = start_router(cfg).await;
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let resp = open_stream(&router).await;
     let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
         .await
         .unwrap()
@@ -332,12 +322,7 @@ async fn graceful_shutdown_finishes_streams_and_refuses_new_connections() {
     b.state.hold_streams.store(true, Ordering::Relaxed);
     let router = start_router(config(&[&b])).await;
     let addr = router.addr;
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let resp = open_stream(&router).await;
     let mut stream = resp.bytes_stream();
     let first = stream.next().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: {\"first\""));

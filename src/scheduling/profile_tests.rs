@@ -20,8 +20,8 @@ fn default_profile_when_none_configured() {
     let p = build_active(&config("")).unwrap();
     assert_eq!(
         p.describe(),
-        "default: healthy-filter → model-filter → prefix-cache-scorer×3 → queue-scorer×2 → \
-         kv-cache-utilization-scorer×2 → inflight-scorer×1 → max-score-picker"
+        "default: healthy-filter → model-filter → saturation-filter → prefix-cache-scorer×2 → \
+         inflight-scorer×1 → kv-cache-utilization-scorer×1 → max-score-picker"
     );
 }
 
@@ -31,7 +31,7 @@ fn default_profile_uses_declared_parameters() {
         "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = 128\n",
     ))
     .unwrap();
-    assert!(p.describe().contains("prefix-cache-scorer×3"));
+    assert!(p.describe().contains("prefix-cache-scorer×2"));
 }
 
 #[test]

@@ -332,20 +332,25 @@ pub async fn until_backends(
     pred: impl Fn(&serde_json::Value) -> bool,
 ) {
     for _ in 0..200 {
-        let v: serde_json::Value = client()
-            .get(router.url("/admin/backends"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = admin_view(router).await;
         if pred(&v) {
             return;
         }
         watch.scrapes(1).await;
     }
     panic!("the router never reached the expected backend state");
+}
+
+/// The router's `/admin/backends` answer.
+pub async fn admin_view(router: &TestRouter) -> serde_json::Value {
+    client()
+        .get(router.url("/admin/backends"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
 }
 
 /// `healthy` of the backend at `url` in an `/admin/backends` answer.
@@ -363,14 +368,7 @@ pub async fn until_backends_json(router: &TestRouter, pred: impl Fn(&serde_json:
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
-        let v: serde_json::Value = client()
-            .get(router.url("/admin/backends"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = admin_view(router).await;
         if pred(&v) {
             return;
         }
