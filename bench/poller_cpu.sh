@@ -29,6 +29,6 @@ python3 - "$T0" "$T1" "$HZ" "$SECS" "$N" "$SCRAPES" <<'PY'
 import sys
 t0, t1, hz, secs, n, scrapes = map(float, sys.argv[1:])
 cpu = (t1 - t0) / hz
-print(f"inferlb polling {n:.0f} backends every 50 ms for {secs:.0f} s: {cpu:.2f} CPU s = {cpu/secs:.3f} core "
-      f"({scrapes:.0f} scrapes in total since start, {1e6*cpu/max(1, scrapes*secs/(secs+0.0)):.0f} µs CPU per scrape over the window)")
+print(f"inferlb polling {n:.0f} backends every 50 ms for {secs:.0f} s: {cpu:.2f} CPU s = {cpu/secs:.3f} core; "
+      f"{scrapes:.0f} scrapes since start, about {1e6 * cpu / max(1.0, n * secs / 0.05):.0f} µs of CPU per scrape")
 PY
