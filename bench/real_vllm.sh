@@ -5,6 +5,8 @@
 # same seeded shared-prefix workload with loadgen, read vLLM's own prefix-cache counters, stop
 # everything. Prints one table and writes bench/results/real-vllm-<date>.md.
 #   bench/real_vllm.sh [POLICIES="random round-robin load-only prefix-only default"]
+# With EXISTING="http://host1:port http://host2:port" it uses servers that are already running
+# instead (no cold restart between policies: later policies then see earlier policies' cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVE=${SERVE:-../shared/real-vllm/serve.sh}
@@ -15,7 +17,7 @@ export BLOCKS=${BLOCKS:-64}
 OUT=$(mktemp -d)
 cargo build --release -q -p inferlb -p loadgen
 LB=""
-cleanup() { [ -n "$LB" ] && kill "$LB" 2>/dev/null || true; STOP=1 "$SERVE" "$P1" "$P2" >/dev/null 2>&1 || true; }
+cleanup() { [ -n "$LB" ] && kill "$LB" 2>/dev/null || true; [ -n "${EXISTING:-}" ] || STOP=1 "$SERVE" "$P1" "$P2" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
 profile() {  # the [[scheduling_profiles]] of a policy, as loadgen compare generates them
@@ -28,21 +30,28 @@ profile() {  # the [[scheduling_profiles]] of a policy, as loadgen compare gener
   esac
 }
 
+URLS=${EXISTING:-"http://127.0.0.1:$P1 http://127.0.0.1:$P2"}
 for policy in $POLICIES; do
-  echo "== $policy: starting two vLLM servers cold (BLOCKS=$BLOCKS)" >&2
-  "$SERVE" "$P1" "$P2" >&2
+  if [ -z "${EXISTING:-}" ]; then
+    echo "== $policy: starting two vLLM servers cold (BLOCKS=$BLOCKS)" >&2
+    "$SERVE" "$P1" "$P2" >&2
+  fi
   PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  { printf 'listen = "127.0.0.1:%s"\nlog_level = "warn"\n[[backends]]\nurl = "http://127.0.0.1:%s"\n[[backends]]\nurl = "http://127.0.0.1:%s"\n' "$PORT" "$P1" "$P2"; profile "$policy"; } > "$OUT/$policy.toml"
+  { printf 'listen = "127.0.0.1:%s"\nlog_level = "warn"\n' "$PORT"; for u in $URLS; do printf '[[backends]]\nurl = "%s"\n' "$u"; done; profile "$policy"; } > "$OUT/$policy.toml"
   target/release/inferlb --config "$OUT/$policy.toml" &
   LB=$!
   for _ in $(seq 1 100); do curl -sf -o /dev/null "http://127.0.0.1:$PORT/ready" && break; sleep 0.1; done
+  METRICS=()
+  for u in $URLS; do METRICS+=(--backend-metrics "$u"); done
   target/release/loadgen run --url "http://127.0.0.1:$PORT" --workload shared-prefix --groups 14 --prompts 4 \
     --system-tokens 300 --question-tokens 30 --output-tokens 8 --rate 3 --seed 1 --block-size 128 \
-    --backend-metrics "http://127.0.0.1:$P1" --backend-metrics "http://127.0.0.1:$P2" --json "$OUT/$policy.json" >&2
+    "${METRICS[@]}" --json "$OUT/$policy.json" >&2
   kill "$LB"; wait "$LB" 2>/dev/null || true; LB=""
-  STOP=1 "$SERVE" "$P1" "$P2"
-  # Wait until both ports are free before the next cold start.
-  for _ in $(seq 1 100); do ! curl -s -o /dev/null "http://127.0.0.1:$P1/health" && ! curl -s -o /dev/null "http://127.0.0.1:$P2/health" && break; sleep 0.2; done
+  if [ -z "${EXISTING:-}" ]; then
+    STOP=1 "$SERVE" "$P1" "$P2"
+    # Wait until both ports are free before the next cold start.
+    for _ in $(seq 1 100); do ! curl -s -o /dev/null "http://127.0.0.1:$P1/health" && ! curl -s -o /dev/null "http://127.0.0.1:$P2/health" && break; sleep 0.2; done
+  fi
 done
 
 python3 - "$OUT" $POLICIES <<'PY'
