@@ -210,14 +210,18 @@ impl Poller {
                 format!("GET {url}: status {}", response.status()),
             ));
         }
-        let page = match response.text().await {
-            Ok(p) => p,
+        // Raw bytes and a UTF-8 check: no charset sniffing or lossy copy of a 50 KB page.
+        let bytes = match response.bytes().await {
+            Ok(b) => b,
             Err(e) => {
                 let kind = if e.is_timeout() { "timeout" } else { "connect" };
                 return Scrape::Failed(fail(kind, format!("GET {url}: reading body: {e}")));
             }
         };
-        match extract(&page, &backend.engine) {
+        let Ok(page) = std::str::from_utf8(&bytes) else {
+            return Scrape::Unusable(fail("parse", format!("GET {url}: the page is not UTF-8")));
+        };
+        match extract(page, &backend.engine) {
             Ok(m) => Scrape::Ok(m),
             Err(e) => Scrape::Unusable(fail("parse", format!("GET {url}: {e}"))),
         }
