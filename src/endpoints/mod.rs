@@ -139,21 +139,21 @@ impl Backend {
     ) -> Result<Self, ConfigError> {
         let (scheme, authority) = parse_base_url(&config.url)
             .map_err(|m| ConfigError::invalid(format!("backends[{id}].url"), m))?;
-        let authorization = match &config.api_key {
-            Some(key) => Some(
-                HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+        let authorization = config
+            .api_key
+            .as_ref()
+            .map(|key| {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
                     ConfigError::invalid(
                         format!("backends[{id}].api_key"),
                         "not a valid header value",
                     )
-                })?,
-            ),
-            None => None,
-        };
-        let mut authorization = authorization;
-        if let Some(v) = authorization.as_mut() {
-            v.set_sensitive(true);
-        }
+                })?;
+                // Never printed by `Debug` or logged.
+                value.set_sensitive(true);
+                Ok(value)
+            })
+            .transpose()?;
         Ok(Backend {
             id,
             name: format!("{scheme}://{authority}"),

@@ -83,6 +83,15 @@ pub fn next_state(
     next
 }
 
+/// The `kind` label of a failed scrape.
+fn error_kind(e: &reqwest::Error) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else {
+        "connect"
+    }
+}
+
 /// Scrapes backends; cheap to clone.
 #[derive(Clone)]
 pub struct Poller {
@@ -193,16 +202,9 @@ impl Poller {
                 .increment(1);
             reason
         };
-        let mut req = self.client.get(&url);
-        if let Some(auth) = &backend.authorization {
-            req = req.header(http::header::AUTHORIZATION, auth.clone());
-        }
-        let response = match req.send().await {
+        let response = match self.get(backend, &url).send().await {
             Ok(r) => r,
-            Err(e) => {
-                let kind = if e.is_timeout() { "timeout" } else { "connect" };
-                return Scrape::Failed(fail(kind, format!("GET {url}: {e}")));
-            }
+            Err(e) => return Scrape::Failed(fail(error_kind(&e), format!("GET {url}: {e}"))),
         };
         if !response.status().is_success() {
             return Scrape::Failed(fail(
@@ -214,8 +216,10 @@ impl Poller {
         let bytes = match response.bytes().await {
             Ok(b) => b,
             Err(e) => {
-                let kind = if e.is_timeout() { "timeout" } else { "connect" };
-                return Scrape::Failed(fail(kind, format!("GET {url}: reading body: {e}")));
+                return Scrape::Failed(fail(
+                    error_kind(&e),
+                    format!("GET {url}: reading body: {e}"),
+                ))
             }
         };
         let Ok(page) = std::str::from_utf8(&bytes) else {
@@ -227,13 +231,22 @@ impl Poller {
         }
     }
 
+    /// A GET to `url` on `backend`, with the backend's credentials when it has any.
+    fn get(&self, backend: &Backend, url: &str) -> reqwest::RequestBuilder {
+        let req = self.client.get(url);
+        match &backend.authorization {
+            Some(auth) => req.header(http::header::AUTHORIZATION, auth.clone()),
+            None => req,
+        }
+    }
+
     async fn models(&self, backend: &Backend) -> Result<Arc<[ModelEntry]>, String> {
         let url = format!("{}/v1/models", backend.name);
-        let mut req = self.client.get(&url);
-        if let Some(auth) = &backend.authorization {
-            req = req.header(http::header::AUTHORIZATION, auth.clone());
-        }
-        let response = req.send().await.map_err(|e| e.to_string())?;
+        let response = self
+            .get(backend, &url)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
         if !response.status().is_success() {
             return Err(format!("status {}", response.status()));
         }

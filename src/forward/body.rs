@@ -122,15 +122,14 @@ impl GuardedBody {
                 .increment(1);
         }
         self.finish(Outcome::Failed);
+        self.closed = true;
         if self.sse {
-            self.closed = true;
             let body =
                 openai_error_body(reason, "upstream_error", None, Some("stream_interrupted"));
             Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
                 "data: {body}\n\n"
             ))))))
         } else {
-            self.closed = true;
             Poll::Ready(Some(Err(reason.into())))
         }
     }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::config::ConfigError;
-use crate::endpoints::{Backend, Candidate};
+use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{Category, CycleState, Plugin, Scorer};
 use crate::scheduling::plugins::{identity, parameters};
@@ -124,11 +124,10 @@ impl PrefixCacheScorer {
     }
 
     /// Blocks the index may hold for `backend`.
-    fn capacity(&self, backend: &Backend) -> u64 {
+    fn capacity(&self, state: &BackendState) -> u64 {
         match self.params.capacity {
             Capacity::Blocks(n) => n,
-            Capacity::Auto(_) => backend
-                .state()
+            Capacity::Auto(_) => state
                 .metrics
                 .as_ref()
                 .and_then(|(m, _)| m.kv_capacity_tokens())
@@ -162,9 +161,13 @@ impl Plugin for PrefixCacheScorer {
             .map_or(0, |(_, m)| *m);
         metrics::histogram!(t::PREFIX_MATCH_RATIO)
             .record(matched as f64 / scratch.hashes.len() as f64);
-        let epoch = backend.state().epoch;
-        self.index
-            .record(backend.id, epoch, self.capacity(backend), &scratch.hashes);
+        let state = backend.state();
+        self.index.record(
+            backend.id,
+            state.epoch,
+            self.capacity(&state),
+            &scratch.hashes,
+        );
         if self.decisions.fetch_add(1, Ordering::Relaxed) % 64 == 0 {
             metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
         }

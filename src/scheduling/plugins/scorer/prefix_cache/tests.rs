@@ -96,7 +96,7 @@ fn auto_capacity_from_cache_geometry() {
     let b = backends(1);
     let s = scorer("block_size = 64\nchars_per_token = 4.0");
     assert_eq!(
-        s.capacity(&b[0]),
+        s.capacity(&b[0].state()),
         31_250,
         "fallback while geometry is unknown"
     );
@@ -111,9 +111,9 @@ fn auto_capacity_from_cache_geometry() {
     ));
     b[0].publish(state);
     // 16 000 tokens × 4 chars ÷ 64 = 1000 blocks.
-    assert_eq!(s.capacity(&b[0]), 1000);
+    assert_eq!(s.capacity(&b[0].state()), 1000);
     let fixed = scorer("capacity = 7");
-    assert_eq!(fixed.capacity(&b[0]), 7);
+    assert_eq!(fixed.capacity(&b[0].state()), 7);
 }
 
 #[test]
