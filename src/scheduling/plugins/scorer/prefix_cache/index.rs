@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -77,6 +78,9 @@ pub fn block_hashes(
 
 struct BackendLru {
     epoch: u64,
+    /// Entries in `lru`, mirrored after each record so scoring reads it without the mutex.
+    len: AtomicUsize,
+    capacity: usize,
     lru: Mutex<Lru>,
 }
 
@@ -113,6 +117,20 @@ impl PrefixIndex {
     pub fn epoch(&self, backend: usize) -> Option<u64> {
         let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
         lrus.get(backend).and_then(|l| l.as_ref()).map(|l| l.epoch)
+    }
+
+    /// For each `(backend, epoch)` candidate, how full its LRU is (entries ÷ capacity, 0 for a
+    /// backend the index holds nothing of at that epoch).
+    pub fn fill(&self, candidates: &[(usize, u64)], out: &mut [f64]) {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        for (slot, (backend, epoch)) in out.iter_mut().zip(candidates) {
+            *slot = match lrus.get(*backend).and_then(|l| l.as_ref()) {
+                Some(l) if l.epoch == *epoch => {
+                    l.len.load(Ordering::Relaxed) as f64 / l.capacity.max(1) as f64
+                }
+                _ => 0.0,
+            };
+        }
     }
 
     /// For each `(backend, epoch)` candidate, how many leading blocks of `hashes` it holds.
@@ -176,6 +194,10 @@ impl PrefixIndex {
 
     /// Remember that `backend` (at `epoch`) was sent `hashes`. `capacity` bounds its LRU in
     /// blocks; a new epoch or capacity starts the backend afresh.
+    ///
+    /// Blocks are touched last to first, so a prompt's head ends up the most recent and its
+    /// tail is evicted first — as an engine frees a finished request's blocks — and a prefix
+    /// shared by many prompts outlives their individual endings.
     pub fn record(&self, backend: usize, epoch: u64, capacity: u64, hashes: &[u64]) {
         let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
         self.ensure(backend, epoch, capacity);
@@ -185,7 +207,7 @@ impl PrefixIndex {
         };
         let mut lru = entry.lru.lock().unwrap_or_else(PoisonError::into_inner);
         let (w, bit) = word_bit(backend);
-        for hash in hashes {
+        for hash in hashes.iter().rev() {
             match lru.touch(*hash) {
                 Touch::Refreshed => {}
                 Touch::Inserted => self.set_bit(*hash, w, bit),
@@ -195,6 +217,7 @@ impl PrefixIndex {
                 }
             }
         }
+        entry.len.store(lru.len(), Ordering::Relaxed);
     }
 
     fn set_bit(&self, hash: u64, w: u16, bit: u64) {
@@ -219,14 +242,9 @@ impl PrefixIndex {
     /// Make sure `backend` has an LRU for `epoch` with `capacity`, purging an outdated one.
     fn ensure(&self, backend: usize, epoch: u64, capacity: usize) {
         let current = |lrus: &Vec<Option<BackendLru>>| {
-            lrus.get(backend).and_then(|l| l.as_ref()).is_some_and(|l| {
-                l.epoch == epoch
-                    && l.lru
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .capacity()
-                        == capacity.max(1)
-            })
+            lrus.get(backend)
+                .and_then(|l| l.as_ref())
+                .is_some_and(|l| l.epoch == epoch && l.capacity == capacity.clamp(1, Lru::MAX))
         };
         if current(&self.lrus.read().unwrap_or_else(PoisonError::into_inner)) {
             return;
@@ -241,9 +259,12 @@ impl PrefixIndex {
         if let Some(old) = lrus[backend].take() {
             self.clear_backend(backend, &old);
         }
+        let lru = Lru::new(capacity);
         lrus[backend] = Some(BackendLru {
             epoch,
-            lru: Mutex::new(Lru::new(capacity)),
+            len: AtomicUsize::new(0),
+            capacity: lru.capacity(),
+            lru: Mutex::new(lru),
         });
     }
 
@@ -270,7 +291,7 @@ impl PrefixIndex {
         let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
         lrus.iter()
             .flatten()
-            .map(|l| l.lru.lock().unwrap_or_else(PoisonError::into_inner).len() as u64)
+            .map(|l| l.len.load(Ordering::Relaxed) as u64)
             .sum()
     }
 }

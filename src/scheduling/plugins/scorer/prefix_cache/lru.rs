@@ -43,8 +43,11 @@ pub enum Touch {
 }
 
 impl Lru {
+    /// The largest capacity a node index can address.
+    pub const MAX: usize = NIL as usize - 1;
+
     pub fn new(capacity: usize) -> Self {
-        let capacity = capacity.clamp(1, NIL as usize - 1);
+        let capacity = capacity.clamp(1, Self::MAX);
         Lru {
             map: HashMap::default(),
             nodes: Vec::new(),

@@ -11,7 +11,19 @@
 //! score  = (1 − length_weight) · ratio + length_weight · length        (0 when n = 0)
 //! ```
 //!
-//! The length term keeps a long 90 % match from losing to a short full match. After the pick,
+//! The length term keeps a long 90 % match from losing to a short full match.
+//!
+//! A prompt nobody holds well also says where its prefix *should* go. With `best` the highest
+//! score above and `room` each candidate's free share of its recorded LRU (min–max scaled over
+//! the candidates, 1 for all when equal):
+//!
+//! ```text
+//! score += room_weight · (1 − best) · room
+//! ```
+//!
+//! so a new prefix goes to the backend the router has filled least, and prefixes spread evenly
+//! over the fleet's caches instead of wherever load noise sent their first request; a prompt
+//! whose prefix is held somewhere keeps (almost) the plain ratio. After the pick,
 //! the chosen backend's LRU records the prompt's blocks. Each backend's LRU holds at most
 //! `capacity` blocks: a number, or `"auto"` = `num_gpu_blocks × block_size` tokens (from
 //! `vllm:cache_config_info`) × `chars_per_token` ÷ `block_size` characters, falling back to
@@ -29,7 +41,7 @@ use serde::Deserialize;
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{Category, CycleState, Plugin, Scorer};
+use crate::scheduling::framework::{lower_is_better, Category, CycleState, Plugin, Scorer};
 use crate::scheduling::plugins::{identity, parameters};
 use crate::telemetry as t;
 use index::{block_hashes, PrefixIndex};
@@ -57,6 +69,7 @@ struct Params {
     length_weight: f64,
     long_match_chars: usize,
     max_blocks: usize,
+    room_weight: f64,
 }
 
 impl Default for Params {
@@ -70,6 +83,7 @@ impl Default for Params {
             length_weight: 0.0,
             long_match_chars: 32_768,
             max_blocks: 4_096,
+            room_weight: 1.0,
         }
     }
 }
@@ -100,10 +114,12 @@ impl PrefixCacheScorer {
                 "block_size, max_blocks and long_match_chars must be > 0",
             ));
         }
-        if !(0.0..=1.0).contains(&params.length_weight) {
+        if !(0.0..=1.0).contains(&params.length_weight)
+            || !(0.0..=1.0).contains(&params.room_weight)
+        {
             return Err(ConfigError::invalid(
                 field,
-                "length_weight must be within 0..1",
+                "length_weight and room_weight must be within 0..1",
             ));
         }
         if !(params.chars_per_token > 0.0 && params.chars_per_token.is_finite()) {
@@ -217,6 +233,17 @@ impl Scorer for PrefixCacheScorer {
                     / self.params.long_match_chars as f64)
                     .min(1.0);
                 *slot = (1.0 - w) * ratio + w * length;
+            }
+            let best = scores.iter().copied().fold(0.0, f64::max);
+            if self.params.room_weight > 0.0 && best < 1.0 {
+                let mut fill = vec![0.0; candidates.len()];
+                self.index.fill(&ids, &mut fill);
+                let spread = self.params.room_weight * (1.0 - best);
+                let mut room = vec![0.0; candidates.len()];
+                lower_is_better(fill.iter().map(|f| Some(*f)), &mut room);
+                for (slot, room) in scores.iter_mut().zip(&room) {
+                    *slot = (*slot + spread * room).min(1.0);
+                }
             }
         }
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();

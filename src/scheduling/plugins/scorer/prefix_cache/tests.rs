@@ -29,7 +29,7 @@ fn ratio_of_leading_blocks() {
         .iter()
         .map(|b| Candidate::with_metrics(b, None, 0))
         .collect();
-    let s = scorer("block_size = 4");
+    let s = scorer("block_size = 4\nroom_weight = 0.0");
     let first = view("aaaabbbbccccdddd");
     let (scores, state) = score(&s, &first, &c);
     assert_eq!(scores, vec![0.0, 0.0, 0.0], "empty index matches nothing");
@@ -62,7 +62,7 @@ fn length_weight_prefers_long_partial_match() {
         .iter()
         .map(|b| Candidate::with_metrics(b, None, 0))
         .collect();
-    let s = scorer("block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16");
+    let s = scorer("block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16\nroom_weight = 0");
     let long = view("aaaabbbbccccdddd");
     let (_, state) = score(&s, &long, &c);
     s.after_pick(&long, &state, &b[0]);
@@ -75,10 +75,48 @@ fn length_weight_prefers_long_partial_match() {
 }
 
 #[test]
+fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
+    let b = backends(3);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 4\ncapacity = 8");
+    let a = view("aaaabbbbccccdddd");
+    let (_, state) = score(&s, &a, &c);
+    s.after_pick(&a, &state, &b[0]);
+    let bee = view("eeeeffff");
+    let (_, state) = score(&s, &bee, &c);
+    s.after_pick(&bee, &state, &b[1]);
+    // Fill 4/8, 2/8, 0/8 → room (min–max) 0, 0.5, 1; nobody matches, so room decides.
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &c);
+    assert_eq!(scores, vec![0.0, 0.5, 1.0]);
+    // Half of the prompt held by backend 0: the room term shrinks to (1 − 0.5).
+    let (scores, _) = score(&s, &view("aaaabbbbzzzzzzzz"), &c);
+    assert_eq!(scores, vec![0.5, 0.25, 0.5]);
+    // A full match leaves no room term: the holder wins outright.
+    let (scores, _) = score(&s, &a, &c);
+    assert_eq!(scores, vec![1.0, 0.0, 0.0]);
+}
+
+#[test]
+fn recording_keeps_the_head_of_a_prompt_longest() {
+    let b = backends(1);
+    let c = vec![Candidate::with_metrics(&b[0], None, 0)];
+    // Room for 3 of the 4 blocks: the tail block goes first, the head still matches.
+    let s = scorer("block_size = 4\ncapacity = 3\nroom_weight = 0");
+    let v = view("aaaabbbbccccdddd");
+    let (_, state) = score(&s, &v, &c);
+    s.after_pick(&v, &state, &b[0]);
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores, vec![0.75]);
+}
+
+#[test]
 fn model_separates_prefixes() {
     let b = backends(1);
     let c = vec![Candidate::with_metrics(&b[0], None, 0)];
-    let s = scorer("block_size = 4");
+    let s = scorer("block_size = 4\nroom_weight = 0");
     let v = view("aaaabbbb");
     let (_, state) = score(&s, &v, &c);
     s.after_pick(&v, &state, &b[0]);
@@ -121,6 +159,7 @@ fn bad_parameters_are_rejected_with_their_name() {
     for bad in [
         "block_size = 0",
         "length_weight = 2.0",
+        "room_weight = 1.5",
         "capacity = 0",
         "capacity = \"lots\"",
         "blocksize = 3",

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Run `loadgen compare` several times and report each policy's median, with the spread.
+
+One shared-prefix run on a 2-core machine can land in either of two regimes: the fleet sits
+at its cache's edge at the top of the ramp, so a burst that evicts a few group prefixes can
+tip a good policy into a queue that a quiet run never sees. A single run therefore says little
+about a policy; the median of a few identical runs (same seed, same workload, every policy in
+each repetition, cold fleets throughout) says more, and the min–max column shows the spread.
+
+usage: bench/compare_repeat.py REPEATS OUT_MD [loadgen compare arguments…]
+  e.g. bench/compare_repeat.py 5 bench/results/compare-shared-prefix-median.md \\
+           --workload shared-prefix --policies random,round-robin,load-only,prefix-only,default
+
+Each repetition's own table and JSON go to OUT_MD's directory under repeat-N/.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+LOADGEN = os.environ.get("LOADGEN", "target/release/loadgen")
+
+# (column, getter, format): getters take one policy's summary dict and its compare output.
+COLUMNS = [
+    ("out tok/s", lambda s: s["output_tokens_per_s"], "{:.0f}"),
+    ("TTFT p50", lambda s: s["ttft"]["p50"], "{:.3f}s"),
+    ("TTFT p90", lambda s: s["ttft"]["p90"], "{:.3f}s"),
+    ("TTFT p99", lambda s: s["ttft"]["p99"], "{:.3f}s"),
+    ("E2E p90", lambda s: s["e2e"]["p90"], "{:.3f}s"),
+    ("hit rate", lambda s: (s.get("fleet") or {}).get("hit_rate"), "{:.3f}"),
+    ("hit/max", lambda s: s.get("hit_rate_vs_max"), "{:.2f}"),
+    ("preempt", lambda s: (s.get("fleet") or {}).get("preemptions"), "{:.0f}"),
+    ("errors", lambda s: sum(s.get("errors", {}).values()), "{:.0f}"),
+]
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    repeats = int(sys.argv[1])
+    out_md = sys.argv[2]
+    args = sys.argv[3:]
+    base = os.path.dirname(os.path.abspath(out_md))
+    runs = []  # one compare output per repetition
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for r in range(1, repeats + 1):
+        rdir = os.path.join(base, f"repeat-{r}")
+        os.makedirs(rdir, exist_ok=True)
+        cmd = [LOADGEN, "compare", *args, "--results-dir", rdir]
+        print(f"[repeat {r}/{repeats}] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        jsons = sorted(
+            (os.path.join(rdir, f) for f in os.listdir(rdir) if f.endswith(".json")),
+            key=os.path.getmtime,
+        )
+        with open(jsons[-1]) as f:
+            runs.append(json.load(f))
+
+    policies = [row["policy"] for row in runs[0]["rows"]]
+    values = {p: {c: [] for c, _, _ in COLUMNS} for p in policies}
+    for run in runs:
+        for row in run["rows"]:
+            s = row.get("summary")
+            if not s:
+                continue
+            for c, get, _ in COLUMNS:
+                v = get(s)
+                if v is not None:
+                    values[row["policy"]][c].append(v)
+
+    def med(p, c):
+        v = values[p][c]
+        return statistics.median(v) if v else None
+
+    lines = [
+        f"# loadgen compare, median of {repeats} runs: {runs[0]['name']}",
+        "",
+        f"- command: `bench/compare_repeat.py {repeats} {out_md} {' '.join(args)}`",
+        f"- machine: nproc {os.cpu_count()}, CPU {cpu_model()}",
+        f"- date: {started}",
+        "",
+        "Each cell: median over the runs, then [min–max]. Every repetition runs every policy on "
+        "a cold fleet with the same seed and workload.",
+        "",
+        "| policy | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
+        "| --- |" + " --- |" * len(COLUMNS),
+    ]
+    for p in policies:
+        cells = []
+        for c, _, fmt in COLUMNS:
+            v = values[p][c]
+            if not v:
+                cells.append("-")
+            elif len(v) == 1 or min(v) == max(v):
+                cells.append(fmt.format(statistics.median(v)))
+            else:
+                cells.append(
+                    f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}–{fmt.format(max(v))}]"
+                )
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    first = runs[0]
+    lines += [
+        "",
+        f"{first['backends']} backends × {first['num_gpu_blocks']} KV blocks of "
+        f"{first['block_size']} tokens; times in simulated seconds (time scale "
+        f"{first['time_scale']}); max achievable hit rate "
+        + (f"{first['max_hit_rate']:.3f}" if first.get("max_hit_rate") is not None else "-")
+        + " (shared prefixes each missing once).",
+    ]
+    # Ratios of the default profile against the baselines the issue names, on the medians.
+    if "default" in policies:
+        lines += ["", "Default profile against the baselines (ratios of medians):", ""]
+        for base_p in ("random", "round-robin", "load-only"):
+            if base_p not in policies:
+                continue
+            t_d, t_b = med("default", "TTFT p90"), med(base_p, "TTFT p90")
+            o_d, o_b = med("default", "out tok/s"), med(base_p, "out tok/s")
+            if t_d is not None and t_b:
+                lines.append(
+                    f"- vs {base_p}: TTFT p90 {t_d / t_b:.3f}×, output tokens/s {o_d / o_b:.2f}×"
+                )
+        hm = med("default", "hit/max")
+        if hm is not None:
+            lines.append(f"- default hit rate / maximum: {hm:.2f}")
+    lines += ["", "## Every run", ""]
+    lines.append("| run | policy | TTFT p90 | out tok/s | hit/max |")
+    lines.append("| --- | --- | --- | --- | --- |")
+    for i, run in enumerate(runs, 1):
+        for row in run["rows"]:
+            s = row.get("summary")
+            if not s:
+                lines.append(f"| {i} | {row['policy']} | failed: {row.get('failure')} | | |")
+                continue
+            hm = s.get("hit_rate_vs_max")
+            lines.append(
+                f"| {i} | {row['policy']} | {s['ttft']['p90']:.3f}s | "
+                f"{s['output_tokens_per_s']:.0f} | {'-' if hm is None else f'{hm:.2f}'} |"
+            )
+    text = "\n".join(lines) + "\n"
+    with open(out_md, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
