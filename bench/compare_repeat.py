@@ -11,7 +11,7 @@ usage: bench/compare_repeat.py REPEATS OUT_MD [loadgen compare arguments…]
   e.g. bench/compare_repeat.py 5 bench/results/compare-shared-prefix-median.md \\
            --workload shared-prefix --policies random,round-robin,load-only,prefix-only,default
 
-Each repetition's own table and JSON go to OUT_MD's directory under repeat-N/.
+Each repetition's own table and JSON go to OUT_MD without its extension, under repeat-N/.
 """
 import json
 import os
@@ -54,7 +54,7 @@ def main():
     repeats = int(sys.argv[1])
     out_md = sys.argv[2]
     args = sys.argv[3:]
-    base = os.path.dirname(os.path.abspath(out_md))
+    base = os.path.splitext(os.path.abspath(out_md))[0]
     runs = []  # one compare output per repetition
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     for r in range(1, repeats + 1):

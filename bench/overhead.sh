@@ -91,6 +91,10 @@ done
 # A second direct baseline over every backend is not possible without a proxy: the direct
 # column is one backend, which the instant simulator serves without its own queueing.
 
+# Keep-alive check: connections inferlb opened to the backends over all runs (and scrapes).
+curl -sf "http://127.0.0.1:$LB_PORT/metrics" | grep '^inferlb_upstream_connections_opened_total' \
+  | awk '{print $2}' >"$WORK/conns.txt" || echo "?" >"$WORK/conns.txt"
+
 DATE=$(date -u +%Y-%m-%d)
 OUT=bench/results/overhead-$DATE.md
 mkdir -p bench/results
@@ -122,6 +126,9 @@ for mode, title in [('whole','Non-streaming'),('stream','Streaming (SSE, 100 chu
     lines.append(f"- inferlb/nginx throughput: **{thr:.2f}** (target ≥ 0.9) → {'met' if thr >= 0.9 else 'NOT met'}")
     lines.append(f"- added p99 over direct: inferlb {add_i*1e3:.2f} ms, nginx {add_g*1e3:.2f} ms, ratio **{ratio:.2f}** (target ≤ 1.5) → {'met' if ratio <= 1.5 else 'NOT met'}")
     lines.append(f"- inferlb p50 / nginx p50: {i['e2e']['p50']/g['e2e']['p50']:.2f}\n")
+conns = open(f"{work}/conns.txt").read().strip() or "?"
+total = sum(json.load(open(f"{work}/inferlb-{m}.json"))['requests'] for m in ('whole','stream'))
+lines.append(f"inferlb opened {conns} connections to the backends for {total} requests (plus its scrapes): keep-alive at work.\n")
 open(out,'w').write("\n".join(lines)+"\n")
 print("\n".join(lines))
 PY

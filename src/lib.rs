@@ -53,8 +53,6 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
-    #[error("cannot build the HTTP client: {0}")]
-    Client(#[from] reqwest::Error),
 }
 
 /// The sockets the router serves on. `admin` carries `/metrics` and `/admin/*` when set;
@@ -79,7 +77,7 @@ pub async fn run(
     let metrics = telemetry::prometheus();
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let poller = Poller::new(Arc::clone(&pool), config.poller.clone())?;
+    let poller = Poller::new(Arc::clone(&pool), config.poller.clone());
     poller.first_pass().await;
     poller.spawn(stop_rx.clone());
     if let Some(handle) = metrics.clone() {

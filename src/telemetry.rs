@@ -18,6 +18,7 @@ pub const UPSTREAM_RESPONSES: &str = "inferlb_upstream_responses_total";
 pub const STREAMS_INTERRUPTED: &str = "inferlb_streams_interrupted_total";
 pub const UPSTREAM_ATTEMPT_FAILURES: &str = "inferlb_upstream_attempt_failures_total";
 pub const CLIENT_DISCONNECTS: &str = "inferlb_client_disconnects_total";
+pub const UPSTREAM_CONNECTIONS_OPENED: &str = "inferlb_upstream_connections_opened_total";
 pub const BACKEND_HEALTHY: &str = "inferlb_backend_healthy";
 pub const BACKEND_INFLIGHT: &str = "inferlb_backend_inflight";
 pub const BACKEND_KV_USAGE: &str = "inferlb_backend_kv_cache_usage_ratio";
@@ -38,6 +39,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (SCHEDULING_DURATION, "Time spent choosing a backend for one request."),
     (UPSTREAM_ATTEMPT_FAILURES, "Forwarding attempts that failed before a response, by backend and reason."),
     (CLIENT_DISCONNECTS, "Responses abandoned by the client before their body ended, by backend."),
+    (UPSTREAM_CONNECTIONS_OPENED, "TCP connections opened to backends, for requests and scrapes; far below the request rate when keep-alive works."),
     (BACKEND_HEALTHY, "1 when the backend is eligible for scheduling, 0 when it is ejected."),
     (BACKEND_INFLIGHT, "Requests inferlb has in flight to the backend."),
     (BACKEND_KV_USAGE, "The backend's KV-cache usage (0-1) from its last scrape."),

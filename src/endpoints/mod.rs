@@ -200,15 +200,6 @@ impl Backend {
         self.freed.notify_waiters();
         n
     }
-
-    /// `scheme://authority` + `path_and_query`.
-    pub fn uri_for(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
-        http::Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
-    }
 }
 
 /// The set of backends requests can go to.

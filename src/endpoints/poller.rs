@@ -10,6 +10,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::time::sleep_until;
@@ -17,6 +20,7 @@ use tokio::time::sleep_until;
 use super::engine::{extract, LoadMetrics};
 use super::{Backend, BackendState, ModelEntry, Pool};
 use crate::config::PollerConfig;
+use crate::forward::pool::{self, Conn};
 use crate::telemetry as t;
 
 /// The result of one scrape.
@@ -83,21 +87,27 @@ pub fn next_state(
     next
 }
 
-/// The `kind` label of a failed scrape.
-fn error_kind(e: &reqwest::Error) -> &'static str {
-    if e.is_timeout() {
-        "timeout"
-    } else {
-        "connect"
-    }
+/// Largest page or model list read from a backend.
+const MAX_BODY: usize = 16 << 20;
+
+/// Why a GET to a backend failed; `kind` is the label of the scrape-error counter.
+struct FetchError {
+    kind: &'static str,
+    reason: String,
 }
 
+/// The keep-alive connection of one backend's poll loop, kept between scrapes.
+type ConnSlot = Option<Conn>;
+
 /// Scrapes backends; cheap to clone.
+///
+/// Each backend's loop keeps one keep-alive connection and drives it itself (see
+/// [`crate::forward::pool`]): a scrape is one task reading one socket, with no client task or
+/// channel between the bytes and the parser.
 #[derive(Clone)]
 pub struct Poller {
     pool: Arc<Pool>,
     cfg: PollerConfig,
-    client: reqwest::Client,
 }
 
 #[derive(Deserialize)]
@@ -106,18 +116,17 @@ struct ModelList {
 }
 
 impl Poller {
-    pub fn new(pool: Arc<Pool>, cfg: PollerConfig) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
-            .timeout(cfg.timeout())
-            .connect_timeout(cfg.timeout())
-            .pool_max_idle_per_host(2)
-            .build()?;
-        Ok(Poller { pool, cfg, client })
+    pub fn new(pool: Arc<Pool>, cfg: PollerConfig) -> Self {
+        Poller { pool, cfg }
     }
 
     /// Poll every backend once, concurrently, and wait for all of them (bounded by the timeout).
     pub async fn first_pass(&self) {
-        let passes = self.pool.backends().iter().map(|b| self.poll_once(b, true));
+        let passes = self
+            .pool
+            .backends()
+            .iter()
+            .map(|b| async { self.poll_once(&mut None, b, true).await });
         futures_util::future::join_all(passes).await;
     }
 
@@ -128,6 +137,7 @@ impl Poller {
             let backend = Arc::clone(backend);
             let mut shutdown = shutdown.clone();
             tokio::spawn(async move {
+                let mut conn: ConnSlot = None;
                 let interval = this.cfg.interval();
                 let mut next = Instant::now() + interval;
                 let mut models_due = Instant::now() + this.cfg.models_interval();
@@ -141,7 +151,7 @@ impl Poller {
                     if refresh_models {
                         models_due = now + this.cfg.models_interval();
                     }
-                    this.poll_once(&backend, refresh_models).await;
+                    this.poll_once(&mut conn, &backend, refresh_models).await;
                     // Skip missed ticks instead of bursting to catch up after a slow scrape.
                     next = (next + interval).max(Instant::now());
                 }
@@ -149,9 +159,9 @@ impl Poller {
         }
     }
 
-    async fn poll_once(&self, backend: &Backend, refresh_models: bool) {
+    async fn poll_once(&self, conn: &mut ConnSlot, backend: &Backend, refresh_models: bool) {
         let started = Instant::now();
-        let scrape = self.scrape(backend).await;
+        let scrape = self.scrape(conn, backend).await;
         let label = backend.name.clone();
         metrics::histogram!(t::BACKEND_SCRAPE_DURATION, "backend" => label.clone())
             .record(started.elapsed().as_secs_f64());
@@ -162,7 +172,7 @@ impl Poller {
             && next.healthy
             && (refresh_models || prev.models.is_empty() || !prev.healthy);
         if need_models {
-            match self.models(backend).await {
+            match self.models(conn, backend).await {
                 Ok(models) => next.models = models,
                 Err(e) => {
                     tracing::warn!(backend = %backend.name, error = %e, "model discovery failed")
@@ -195,62 +205,98 @@ impl Poller {
         backend.publish(next);
     }
 
-    async fn scrape(&self, backend: &Backend) -> Scrape {
-        let url = format!("{}/metrics", backend.name);
+    async fn scrape(&self, conn: &mut ConnSlot, backend: &Backend) -> Scrape {
         let fail = |kind: &'static str, reason: String| {
             metrics::counter!(t::BACKEND_SCRAPE_ERRORS, "backend" => backend.name.clone(), "kind" => kind)
                 .increment(1);
             reason
         };
-        let response = match self.get(backend, &url).send().await {
-            Ok(r) => r,
-            Err(e) => return Scrape::Failed(fail(error_kind(&e), format!("GET {url}: {e}"))),
-        };
-        if !response.status().is_success() {
-            return Scrape::Failed(fail(
-                "status",
-                format!("GET {url}: status {}", response.status()),
-            ));
-        }
-        // Raw bytes and a UTF-8 check: no charset sniffing or lossy copy of a 50 KB page.
-        let bytes = match response.bytes().await {
+        let url = &backend.name;
+        let bytes = match self.get(conn, backend, "/metrics").await {
             Ok(b) => b,
             Err(e) => {
-                return Scrape::Failed(fail(
-                    error_kind(&e),
-                    format!("GET {url}: reading body: {e}"),
-                ))
+                return Scrape::Failed(fail(e.kind, format!("GET {url}/metrics: {}", e.reason)))
             }
         };
+        // Raw bytes and a UTF-8 check: no charset sniffing or lossy copy of a 50 KB page.
         let Ok(page) = std::str::from_utf8(&bytes) else {
-            return Scrape::Unusable(fail("parse", format!("GET {url}: the page is not UTF-8")));
+            return Scrape::Unusable(fail(
+                "parse",
+                format!("GET {url}/metrics: the page is not UTF-8"),
+            ));
         };
         match extract(page, &backend.engine) {
             Ok(m) => Scrape::Ok(m),
-            Err(e) => Scrape::Unusable(fail("parse", format!("GET {url}: {e}"))),
+            Err(e) => Scrape::Unusable(fail("parse", format!("GET {url}/metrics: {e}"))),
         }
     }
 
-    /// A GET to `url` on `backend`, with the backend's credentials when it has any.
-    fn get(&self, backend: &Backend, url: &str) -> reqwest::RequestBuilder {
-        let req = self.client.get(url);
-        match &backend.authorization {
-            Some(auth) => req.header(http::header::AUTHORIZATION, auth.clone()),
-            None => req,
+    /// GET `path` on `backend` (with its credentials, if any) over the loop's connection,
+    /// opening one if there is none or the old one closed; the whole exchange is bounded by
+    /// the poll timeout. A 2xx answer's body is returned, any other status is an error; a
+    /// failed or timed-out exchange also drops the connection.
+    async fn get(
+        &self,
+        slot: &mut ConnSlot,
+        backend: &Backend,
+        path: &'static str,
+    ) -> Result<Bytes, FetchError> {
+        let mut request = Request::get(path)
+            .header(http::header::HOST, backend.authority.as_str())
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| FetchError {
+                kind: "connect",
+                reason: e.to_string(),
+            })?;
+        if let Some(auth) = &backend.authorization {
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, auth.clone());
         }
+        let timeout = self.cfg.timeout();
+        let exchange = async {
+            let kept = slot.take().and_then(|mut c| c.reusable().then_some(c));
+            let mut conn = match kept {
+                Some(c) => c,
+                None => pool::connect(backend.authority.as_str(), timeout).await?,
+            };
+            let answer = conn.fetch(request, MAX_BODY).await?;
+            Ok::<_, pool::ConnError>((conn, answer))
+        };
+        let (conn, (status, body)) = match tokio::time::timeout(timeout, exchange).await {
+            Err(_) => {
+                return Err(FetchError {
+                    kind: "timeout",
+                    reason: format!("no answer within {} ms", timeout.as_millis()),
+                })
+            }
+            Ok(Err(e)) => {
+                return Err(FetchError {
+                    kind: "connect",
+                    reason: e.to_string(),
+                })
+            }
+            Ok(Ok(done)) => done,
+        };
+        *slot = Some(conn);
+        if !status.is_success() {
+            return Err(FetchError {
+                kind: "status",
+                reason: format!("status {status}"),
+            });
+        }
+        Ok(body)
     }
 
-    async fn models(&self, backend: &Backend) -> Result<Arc<[ModelEntry]>, String> {
-        let url = format!("{}/v1/models", backend.name);
-        let response = self
-            .get(backend, &url)
-            .send()
+    async fn models(
+        &self,
+        conn: &mut ConnSlot,
+        backend: &Backend,
+    ) -> Result<Arc<[ModelEntry]>, String> {
+        let bytes = self
+            .get(conn, backend, "/v1/models")
             .await
-            .map_err(|e| e.to_string())?;
-        if !response.status().is_success() {
-            return Err(format!("status {}", response.status()));
-        }
-        let bytes = response.bytes().await.map_err(|e| e.to_string())?;
+            .map_err(|e| e.reason)?;
         let list: ModelList =
             serde_json::from_slice(&bytes).map_err(|e| format!("invalid model list: {e}"))?;
         Ok(list

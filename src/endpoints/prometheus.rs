@@ -169,49 +169,86 @@ pub fn samples(page: &str) -> impl Iterator<Item = Result<Sample<'_>, ParseError
     })
 }
 
-/// The samples of the series `wanted` accepts by name. Lines of other series are skipped after
-/// reading only their name — on a vLLM page most lines are histogram buckets nobody here
-/// reads — but a line that does not even start with a metric name is still an error, so
-/// a page of HTML or binary garbage is rejected as with [`samples`].
-pub fn samples_where<'a>(
+/// The samples of the series `wanted` accepts by name. After `# TYPE family …` for a family
+/// nobody wants, the reader jumps straight to the next comment line with one vectorised search
+/// — on a vLLM page most lines are histogram buckets nobody here reads. Other lines are skipped
+/// after reading only their name, but a line that does not even start with a metric name is
+/// still an error, so a page of HTML or binary garbage is rejected as with [`samples`].
+pub fn samples_where<'a, F: Fn(&str) -> bool>(page: &'a str, wanted: F) -> SamplesWhere<'a, F> {
+    SamplesWhere {
+        page,
+        pos: 0,
+        wanted,
+    }
+}
+
+/// The iterator of [`samples_where`].
+pub struct SamplesWhere<'a, F> {
     page: &'a str,
-    wanted: impl Fn(&str) -> bool + 'a,
-) -> impl Iterator<Item = Result<Sample<'a>, ParseError>> + 'a {
-    // After `# TYPE family …` for a family nobody wants, its lines (`family_bucket{…}`, …) are
-    // skipped with one prefix comparison each, until the next `# TYPE`.
-    let mut skip_family: &'a str = "";
-    page.lines().enumerate().filter_map(move |(i, line)| {
-        if let Some(comment) = line.strip_prefix('#') {
-            if let Some(family) = comment
-                .strip_prefix(" TYPE ")
-                .and_then(|r| r.split_ascii_whitespace().next())
-            {
-                let total = wanted(family) || family_has_wanted_total(family, &wanted);
-                skip_family = if total { "" } else { family };
+    pos: usize,
+    wanted: F,
+}
+
+impl<'a, F> SamplesWhere<'a, F> {
+    /// 1-based number of the line starting at byte `at` (counted only for errors).
+    fn line_number(&self, at: usize) -> usize {
+        memchr::memchr_iter(b'\n', &self.page.as_bytes()[..at]).count() + 1
+    }
+
+    /// Move to the start of the next line that begins with `#` (or the end of the page).
+    fn skip_to_comment(&mut self) {
+        let from = self.pos.saturating_sub(1);
+        self.pos = memchr::memmem::find(&self.page.as_bytes()[from..], b"\n#")
+            .map_or(self.page.len(), |i| from + i + 1);
+    }
+}
+
+impl<'a, F: Fn(&str) -> bool> Iterator for SamplesWhere<'a, F> {
+    type Item = Result<Sample<'a>, ParseError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while self.pos < self.page.len() {
+            let start = self.pos;
+            let rest = &self.page[start..];
+            let len = memchr::memchr(b'\n', rest.as_bytes()).unwrap_or(rest.len());
+            self.pos = start + len + 1;
+            let line = rest[..len].strip_suffix('\r').unwrap_or(&rest[..len]);
+            if let Some(comment) = line.strip_prefix('#') {
+                if let Some(family) = comment
+                    .strip_prefix(" TYPE ")
+                    .and_then(|r| r.split_ascii_whitespace().next())
+                {
+                    if !((self.wanted)(family) || family_has_wanted_total(family, &self.wanted)) {
+                        self.skip_to_comment();
+                    }
+                }
+                continue;
             }
-            return None;
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let name_end = line
+                .bytes()
+                .position(|b| !(b.is_ascii_alphanumeric() || b == b'_' || b == b':'))
+                .unwrap_or(line.len());
+            // Name bytes are ASCII, so `name_end` is a char boundary.
+            let name = &line[..name_end];
+            if name.is_empty() || name.as_bytes()[0].is_ascii_digit() {
+                return Some(Err(ParseError {
+                    line: self.line_number(start),
+                    reason: "expected a metric name",
+                }));
+            }
+            if (self.wanted)(name) {
+                return Some(parse_line(line, 0).map_err(|e| ParseError {
+                    line: self.line_number(start),
+                    ..e
+                }));
+            }
         }
-        if !skip_family.is_empty() && line.starts_with(skip_family) {
-            return None;
-        }
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            return None;
-        }
-        let name_end = line
-            .bytes()
-            .position(|b| !(b.is_ascii_alphanumeric() || b == b'_' || b == b':'))
-            .unwrap_or(line.len());
-        // Name bytes are ASCII, so `name_end` is a char boundary.
-        let name = &line[..name_end];
-        if name.is_empty() || name.as_bytes()[0].is_ascii_digit() {
-            return Some(Err(ParseError {
-                line: i + 1,
-                reason: "expected a metric name",
-            }));
-        }
-        wanted(name).then(|| parse_line(line, i + 1))
-    })
+        None
+    }
 }
 
 /// A counter family `x` is exposed as `x_total`: the family is wanted when that series is.
@@ -246,6 +283,13 @@ mod tests {
             .map(|s| s.unwrap().value)
             .collect();
         assert_eq!(got, vec![5.0]);
+        // Errors name their line; CRLF pages read like LF ones.
+        let page =
+            "# TYPE h histogram\r\nh_bucket 1\r\nh_sum 2\r\n# TYPE g gauge\r\ng 5\r\nbad{ 1\r\n";
+        let got: Vec<_> = samples_where(page, |n| n == "g" || n == "bad").collect();
+        assert_eq!(got[0].as_ref().unwrap().value, 5.0);
+        assert_eq!(got[1].as_ref().unwrap_err().line, 6);
+        assert_eq!(got.len(), 2);
     }
 
     const REAL: &str = include_str!("../../tests/fixtures/vllm-0.32-cpu.txt");

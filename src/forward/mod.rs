@@ -8,6 +8,7 @@
 
 pub mod body;
 pub mod headers;
+pub mod pool;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,9 +20,6 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 
 use crate::config::{ForwardConfig, OutlierConfig};
 use crate::endpoints::Backend;
@@ -30,6 +28,7 @@ use crate::prompt::RequestView;
 use crate::scheduling::framework::Outcome;
 use crate::scheduling::InflightGuard;
 use crate::telemetry as t;
+use pool::{ConnPool, Lease};
 
 /// A request as the front door hands it to the scheduler: parsed once, body kept as bytes.
 #[derive(Debug)]
@@ -51,10 +50,10 @@ pub struct Dispatch {
     pub guard: InflightGuard,
 }
 
-/// The hyper client that talks to backends; cheap to clone.
+/// Talks to backends over pooled keep-alive connections; cheap to clone.
 #[derive(Clone)]
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
+    pool: Arc<ConnPool>,
     response_timeout: Duration,
     stream_idle_timeout: Duration,
     request_timeout: Option<Duration>,
@@ -65,15 +64,13 @@ pub struct Forwarder {
 
 impl Forwarder {
     pub fn new(cfg: &ForwardConfig, outlier: &OutlierConfig, backend_header: HeaderName) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_millis(cfg.pool_idle_timeout_ms))
-            .pool_max_idle_per_host(cfg.pool_max_idle_per_backend)
-            .build(connector);
+        let pool = Arc::new(ConnPool::new(
+            cfg.pool_max_idle_per_backend,
+            Duration::from_millis(cfg.pool_idle_timeout_ms),
+            Duration::from_millis(cfg.connect_timeout_ms),
+        ));
         Forwarder {
-            client,
+            pool,
             response_timeout: Duration::from_millis(cfg.response_timeout_ms),
             stream_idle_timeout: Duration::from_millis(cfg.stream_idle_timeout_ms),
             request_timeout: (cfg.request_timeout_ms > 0)
@@ -86,13 +83,15 @@ impl Forwarder {
 
     fn build_request(&self, d: &Dispatch) -> Result<Request<Full<Bytes>>, Error> {
         let req = &d.request;
-        let uri = d
-            .backend
-            .uri_for(&req.path_and_query)
+        // Origin form on the wire; the backend is named by the Host header.
+        let uri = http::Uri::try_from(req.path_and_query.as_str())
             .map_err(|e| Error::InvalidRequest(format!("invalid request path: {e}")))?;
+        let host = HeaderValue::from_str(d.backend.authority.as_str())
+            .map_err(|e| Error::Internal(e.to_string()))?;
         let mut out = Request::builder()
             .method(req.method.clone())
             .uri(uri)
+            .header(http::header::HOST, host)
             .body(Full::new(req.body.clone()))
             .map_err(|e| Error::Internal(e.to_string()))?;
         headers::request_headers(
@@ -137,8 +136,16 @@ impl tower::Service<Dispatch> for Forwarder {
                 let by = tokio::time::Instant::now() + this.response_timeout;
                 deadline.map_or(by, |d| d.min(by))
             };
-            let sent = tokio::time::timeout_at(headers_by, this.client.request(request)).await;
-            let response = match sent {
+            let exchange = async {
+                let mut conn = this
+                    .pool
+                    .checkout(backend.id, backend.authority.as_str())
+                    .await?;
+                let response = conn.send(request).await?;
+                Ok::<_, pool::ConnError>((conn, response))
+            };
+            let sent = tokio::time::timeout_at(headers_by, exchange).await;
+            let (conn, response) = match sent {
                 Err(_) => {
                     attempt_failed(&backend, "timeout");
                     backend.passive().record_failure(&this.outlier);
@@ -161,7 +168,7 @@ impl tower::Service<Dispatch> for Forwarder {
                         reason,
                     });
                 }
-                Ok(Ok(response)) => response,
+                Ok(Ok(exchanged)) => exchanged,
             };
             let (mut parts, incoming) = response.into_parts();
             if parts.status.is_server_error() {
@@ -194,8 +201,14 @@ impl tower::Service<Dispatch> for Forwarder {
                 idle: this.stream_idle_timeout,
                 deadline,
             };
+            let lease = Lease {
+                conn,
+                pool: this.pool.clone(),
+                backend: backend.id,
+            };
             let body = body::GuardedBody::new(
                 incoming,
+                Some(lease),
                 guard,
                 original.received_at,
                 error_status,
