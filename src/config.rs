@@ -280,7 +280,7 @@ impl Default for ForwardConfig {
             response_timeout_ms: 600_000,
             max_attempts: 3,
             pool_max_idle_per_backend: 256,
-            pool_idle_timeout_ms: 90_000,
+            pool_idle_timeout_ms: 4_000,
             forward_client_authorization: false,
             stream_idle_timeout_ms: 120_000,
             request_timeout_ms: 1_800_000,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::Request;
+use http::{HeaderValue, Request};
 use http_body_util::Full;
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -241,26 +241,39 @@ impl Poller {
         backend: &Backend,
         path: &'static str,
     ) -> Result<Bytes, FetchError> {
-        let mut request = Request::get(path)
-            .header(http::header::HOST, backend.authority.as_str())
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| FetchError {
-                kind: "connect",
-                reason: e.to_string(),
-            })?;
-        if let Some(auth) = &backend.authorization {
+        let host = HeaderValue::from_str(backend.authority.as_str()).map_err(|e| FetchError {
+            kind: "connect",
+            reason: e.to_string(),
+        })?;
+        let make = || {
+            let mut request = Request::new(Full::new(Bytes::new()));
+            *request.uri_mut() = http::Uri::from_static(path);
             request
                 .headers_mut()
-                .insert(http::header::AUTHORIZATION, auth.clone());
-        }
+                .insert(http::header::HOST, host.clone());
+            if let Some(auth) = &backend.authorization {
+                request
+                    .headers_mut()
+                    .insert(http::header::AUTHORIZATION, auth.clone());
+            }
+            request
+        };
         let timeout = self.cfg.timeout();
         let exchange = async {
             let kept = slot.take().and_then(|mut c| c.reusable().then_some(c));
+            let reused = kept.is_some();
             let mut conn = match kept {
                 Some(c) => c,
-                None => pool::connect(backend.authority.as_str(), timeout).await?,
+                None => pool::connect(&backend.authority, timeout).await?,
             };
-            let answer = conn.fetch(request, MAX_BODY).await?;
+            let answer = match conn.fetch(make(), MAX_BODY).await {
+                // The backend closed the kept connection before the request left: reconnect.
+                Err(pool::ConnError::NotSent) if reused => {
+                    conn = pool::connect(&backend.authority, timeout).await?;
+                    conn.fetch(make(), MAX_BODY).await?
+                }
+                other => other?,
+            };
             Ok::<_, pool::ConnError>((conn, answer))
         };
         let (conn, (status, body)) = match tokio::time::timeout(timeout, exchange).await {
@@ -271,10 +284,14 @@ impl Poller {
                 })
             }
             Ok(Err(e)) => {
+                let kind = match e {
+                    pool::ConnError::TooLarge(_) => "parse",
+                    _ => "connect",
+                };
                 return Err(FetchError {
-                    kind: "connect",
+                    kind,
                     reason: e.to_string(),
-                })
+                });
             }
             Ok(Ok(done)) => done,
         };

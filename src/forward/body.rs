@@ -27,7 +27,7 @@ use crate::scheduling::InflightGuard;
 use crate::telemetry as t;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type InnerPoll = Option<Result<Frame<Bytes>, hyper::Error>>;
+type InnerPoll = Option<Result<Frame<Bytes>, BoxError>>;
 
 /// Chunks already waiting in the connection's buffer are sent on as one frame of at most this
 /// many bytes: one write to the client instead of one per chunk, and no added latency, since
@@ -78,7 +78,7 @@ impl GuardedBody {
         limits: BodyLimits,
     ) -> Self {
         let timer = Box::pin(tokio::time::sleep_until(next_wake(&limits)));
-        GuardedBody {
+        let mut body = GuardedBody {
             inner,
             lease,
             stash: None,
@@ -93,7 +93,19 @@ impl GuardedBody {
             timer,
             active: false,
             closed: false,
+        };
+        // An empty body (204, `Content-Length: 0`) is complete already, and a server does not
+        // poll a body that says so: settle it here, or it would count as abandoned.
+        if body.inner.is_end_stream() && !body.sse {
+            let outcome = if body.error_status {
+                Outcome::Failed
+            } else {
+                Outcome::Success
+            };
+            body.finish(outcome);
+            body.release_connection();
         }
+        body
     }
 
     /// Drive the connection, then take the next frame of the backend's body.
@@ -101,10 +113,15 @@ impl GuardedBody {
         if let Some(stashed) = self.stash.take() {
             return Poll::Ready(stashed);
         }
-        if let Some(lease) = &mut self.lease {
-            lease.conn.drive(cx);
+        let open = self.lease.as_mut().is_none_or(|l| l.conn.drive(cx));
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|r| r.map_err(BoxError::from))),
+            // The connection ended without settling the body: nothing more can arrive.
+            Poll::Pending if !open => {
+                Poll::Ready(Some(Err("the backend connection closed".into())))
+            }
+            Poll::Pending => Poll::Pending,
         }
-        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     /// After a data frame, take every further data frame that is ready now and join them.
@@ -263,6 +280,16 @@ impl Body for GuardedBody {
             Poll::Pending => match this.timer.as_mut().poll(cx) {
                 Poll::Ready(()) => {
                     let past_deadline = this.limits.deadline.is_some_and(|d| Instant::now() >= d);
+                    if this.active && !past_deadline {
+                        // Frames arrived during the last period: the stream is alive. Re-arm
+                        // (polling registers the new wake-up) and keep waiting.
+                        this.active = false;
+                        let next = next_wake(&this.limits);
+                        this.timer.as_mut().reset(next);
+                        if this.timer.as_mut().poll(cx).is_pending() {
+                            return Poll::Pending;
+                        }
+                    }
                     let reason = if past_deadline {
                         "the request took longer than its time limit".to_owned()
                     } else {

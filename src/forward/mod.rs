@@ -124,27 +124,35 @@ impl tower::Service<Dispatch> for Forwarder {
         let this = self.clone();
         Box::pin(async move {
             let request = this.build_request(&d)?;
+            let deadline = this
+                .request_timeout
+                .map(|t| tokio::time::Instant::from_std(d.request.received_at + t));
+            let headers_by = {
+                let by = tokio::time::Instant::now() + this.response_timeout;
+                deadline.map_or(by, |end| end.min(by))
+            };
+            let exchange = async {
+                let (mut conn, reused) = this
+                    .pool
+                    .checkout(d.backend.id, &d.backend.authority)
+                    .await?;
+                let response = pool::send_with_reconnect(
+                    &mut conn,
+                    reused,
+                    &d.backend.authority,
+                    this.pool.connect_timeout,
+                    request,
+                    || this.build_request(&d).ok(),
+                )
+                .await?;
+                Ok::<_, pool::ConnError>((conn, response))
+            };
+            let sent = tokio::time::timeout_at(headers_by, exchange).await;
             let Dispatch {
                 request: original,
                 backend,
                 mut guard,
             } = d;
-            let deadline = this
-                .request_timeout
-                .map(|t| tokio::time::Instant::from_std(original.received_at + t));
-            let headers_by = {
-                let by = tokio::time::Instant::now() + this.response_timeout;
-                deadline.map_or(by, |d| d.min(by))
-            };
-            let exchange = async {
-                let mut conn = this
-                    .pool
-                    .checkout(backend.id, backend.authority.as_str())
-                    .await?;
-                let response = conn.send(request).await?;
-                Ok::<_, pool::ConnError>((conn, response))
-            };
-            let sent = tokio::time::timeout_at(headers_by, exchange).await;
             let (conn, response) = match sent {
                 Err(_) => {
                     attempt_failed(&backend, "timeout");

@@ -9,12 +9,15 @@
 //! can be taken in the same poll.
 //!
 //! Idle connections wait in a per-backend LIFO stack, unpolled. A connection the backend
-//! closed meanwhile is noticed at checkout (its driver resolves, or it is no longer ready) and
-//! dropped; one older than the idle timeout is dropped too. A connection is returned only when
-//! its response was read to the end; anything else (client gone, error, deadline) drops it,
-//! which closes the socket — the signal vLLM takes to abort the generation.
+//! closed meanwhile is usually noticed at checkout (polling its driver once sees the end of
+//! the stream) and dropped; when the close is only seen while sending, hyper hands the
+//! unsent request back and it goes out on a fresh connection ([`send_with_reconnect`]) — a
+//! keep-alive race, not a backend failure. Connections idle past the timeout are closed when
+//! met. A connection is returned only when its response was read to the end; anything else
+//! (client gone, error, deadline) drops it, which closes the socket — the signal vLLM takes to
+//! abort the generation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +25,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use http::uri::Authority;
 use http::{Request, Response};
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
@@ -38,6 +42,9 @@ type Driver = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
 pub enum ConnError {
     #[error("connect to {authority}: {reason}")]
     Connect { authority: String, reason: String },
+    /// The connection closed before the request was written: sending it again is safe.
+    #[error("the connection closed before the request was sent")]
+    NotSent,
     #[error("{0}")]
     Http(#[from] hyper::Error),
     #[error("the response body is larger than {0} bytes")]
@@ -50,22 +57,35 @@ impl ConnError {
     }
 }
 
+/// Where to connect for a backend's authority: host (IPv6 without brackets) and port (80 when
+/// the URL names none).
+pub fn target(authority: &Authority) -> (&str, u16) {
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (host, authority.port_u16().unwrap_or(80))
+}
+
 /// One HTTP/1.1 connection: the request sender and the state machine that must be polled for
 /// anything to move.
 pub struct Conn {
     send: http1::SendRequest<Full<Bytes>>,
-    driver: Driver,
-    /// The driver resolved: the connection is closed and must not be polled again.
-    closed: bool,
+    /// `None` once the connection has closed. Dropping the finished driver also fails any
+    /// request still queued on it (with the request handed back, see [`ConnError::NotSent`]).
+    driver: Option<Driver>,
 }
 
 impl Conn {
     /// Move the connection's I/O along. Returns `true` while the connection is open.
     pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.closed && Pin::new(&mut self.driver).poll(cx).is_ready() {
-            self.closed = true;
+        if let Some(driver) = &mut self.driver {
+            if Pin::new(driver).poll(cx).is_ready() {
+                self.driver = None;
+            }
         }
-        !self.closed
+        self.driver.is_some()
     }
 
     /// Idle and able to carry another request.
@@ -79,14 +99,20 @@ impl Conn {
         &mut self,
         request: Request<Full<Bytes>>,
     ) -> Result<Response<Incoming>, ConnError> {
-        let response = self.send.send_request(request);
+        let response = self.send.try_send_request(request);
         let mut response = std::pin::pin!(response);
         std::future::poll_fn(|cx| {
             self.drive(cx);
             response.as_mut().poll(cx)
         })
         .await
-        .map_err(ConnError::Http)
+        .map_err(|mut e| {
+            if e.take_message().is_some() {
+                ConnError::NotSent
+            } else {
+                ConnError::Http(e.into_error())
+            }
+        })
     }
 
     /// Send `request` and read its whole response (a body of at most `limit` bytes).
@@ -117,13 +143,13 @@ impl Conn {
     }
 }
 
-/// Open a connection to `authority` (`host:port`) within `timeout`.
-pub async fn connect(authority: &str, timeout: Duration) -> Result<Conn, ConnError> {
+/// Open a connection to `authority` within `timeout`.
+pub async fn connect(authority: &Authority, timeout: Duration) -> Result<Conn, ConnError> {
     let failed = |reason: String| ConnError::Connect {
-        authority: authority.to_owned(),
+        authority: authority.to_string(),
         reason,
     };
-    let stream = tokio::time::timeout(timeout, TcpStream::connect(authority))
+    let stream = tokio::time::timeout(timeout, TcpStream::connect(target(authority)))
         .await
         .map_err(|_| failed(format!("timed out after {timeout:?}")))?
         .map_err(|e| failed(e.to_string()))?;
@@ -136,9 +162,30 @@ pub async fn connect(authority: &str, timeout: Duration) -> Result<Conn, ConnErr
     metrics::counter!(t::UPSTREAM_CONNECTIONS_OPENED).increment(1);
     Ok(Conn {
         send,
-        driver,
-        closed: false,
+        driver: Some(driver),
     })
+}
+
+/// Send `request` over `conn`, or over a fresh connection when `conn` came from a pool and
+/// turns out to have been closed by the backend before the request left (`rebuild` makes the
+/// request again). Keep-alive servers close idle connections on their own schedule; such a
+/// race is not the backend's failure and must not count as one.
+pub async fn send_with_reconnect(
+    conn: &mut Conn,
+    reused: bool,
+    authority: &Authority,
+    connect_timeout: Duration,
+    request: Request<Full<Bytes>>,
+    rebuild: impl FnOnce() -> Option<Request<Full<Bytes>>>,
+) -> Result<Response<Incoming>, ConnError> {
+    match conn.send(request).await {
+        Err(ConnError::NotSent) if reused => {
+            let request = rebuild().ok_or(ConnError::NotSent)?;
+            *conn = connect(authority, connect_timeout).await?;
+            conn.send(request).await
+        }
+        other => other,
+    }
 }
 
 struct Idle {
@@ -148,10 +195,10 @@ struct Idle {
 
 /// Per-backend stacks of idle connections.
 pub struct ConnPool {
-    idle: Mutex<HashMap<usize, Vec<Idle>>>,
+    idle: Mutex<HashMap<usize, VecDeque<Idle>>>,
     max_idle: usize,
     idle_timeout: Duration,
-    connect_timeout: Duration,
+    pub connect_timeout: Duration,
 }
 
 impl ConnPool {
@@ -164,37 +211,47 @@ impl ConnPool {
         }
     }
 
-    /// A ready connection to `backend` at `authority` (`host:port`): the most recently idle
-    /// one that is still open, or a new one.
-    pub async fn checkout(&self, backend: usize, authority: &str) -> Result<Conn, ConnError> {
+    /// A connection to `backend`: the most recently idle one that still looks open (`true`:
+    /// reused), or a new one.
+    pub async fn checkout(
+        &self,
+        backend: usize,
+        authority: &Authority,
+    ) -> Result<(Conn, bool), ConnError> {
         loop {
             let idle = {
                 let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-                map.get_mut(&backend).and_then(Vec::pop)
+                map.get_mut(&backend).and_then(VecDeque::pop_back)
             };
             let Some(mut idle) = idle else { break };
             if idle.since.elapsed() < self.idle_timeout && idle.conn.reusable() {
-                return Ok(idle.conn);
+                return Ok((idle.conn, true));
             }
         }
-        connect(authority, self.connect_timeout).await
+        Ok((connect(authority, self.connect_timeout).await?, false))
     }
 
-    /// Give back a connection whose response was read to the end.
+    /// Give back a connection whose response was read to the end. Connections idle past the
+    /// timeout are closed here too, so sockets the backend gave up on do not linger.
     pub fn checkin(&self, backend: usize, mut conn: Conn) {
         if !conn.reusable() {
             return;
         }
         let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let stack = map.entry(backend).or_default();
-        if stack.len() >= self.max_idle {
-            // Keep the freshest: the oldest idle connection is the likeliest to be stale.
-            stack.remove(0);
+        while stack
+            .front()
+            .is_some_and(|i| i.since.elapsed() >= self.idle_timeout)
+            || stack.len() >= self.max_idle.max(1)
+        {
+            stack.pop_front();
         }
-        stack.push(Idle {
-            conn,
-            since: Instant::now(),
-        });
+        if self.max_idle > 0 {
+            stack.push_back(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
     }
 }
 

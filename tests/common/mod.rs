@@ -58,6 +58,9 @@ pub struct FakeState {
     pub cut_streams: std::sync::atomic::AtomicBool,
     /// Set when a stream's receiver went away before it finished (client disconnect).
     pub stream_abandoned: watch::Sender<bool>,
+    /// Streams send this many extra chunks, one every `drip_ms`, before `[DONE]`.
+    pub drip_chunks: std::sync::atomic::AtomicU64,
+    pub drip_ms: std::sync::atomic::AtomicU64,
 }
 
 pub struct FakeBackend {
@@ -89,6 +92,8 @@ impl FakeBackend {
             completion_status: 200.into(),
             cut_streams: false.into(),
             stream_abandoned: watch::channel(false).0,
+            drip_chunks: 0.into(),
+            drip_ms: 0.into(),
         });
         let app = Router::new()
             .route("/metrics", get(metrics))
@@ -219,6 +224,14 @@ fn async_stream(
                     s.stream_abandoned.send_replace(true);
                     return;
                 }
+            }
+        }
+        let drip = Duration::from_millis(s.drip_ms.load(Ordering::Relaxed));
+        for i in 0..s.drip_chunks.load(Ordering::Relaxed) {
+            tokio::time::sleep(drip).await;
+            let chunk = format!("data: {{\"drip\":{i}}}\n\n");
+            if tx.send(Ok(Bytes::from(chunk))).await.is_err() {
+                return;
             }
         }
         let _ = tx

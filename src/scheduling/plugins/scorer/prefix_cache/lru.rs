@@ -2,9 +2,9 @@
 //!
 //! Nodes live in a `Vec` and link to each other by index (`u32`), so an entry costs a 16-byte
 //! node plus an 8-byte map slot — no allocation per entry and no pointer chasing through the
-//! heap. The map is keyed by the low 32 bits of the block hash: two blocks of one backend that
-//! share them (about 30 pairs in a full 500k-block cache) are taken for one, which can only
-//! make the index forget a block early — never claim one it was not sent. Touching an entry moves it to the front; inserting into a full set reuses the node of
+//! heap. The map is keyed by the low 32 bits of the block hash: of two blocks of one backend
+//! that share them (about 30 pairs in a full 500k-block cache) the newer replaces the older,
+//! which can only make the index forget a block early — never claim one it was not sent. Touching an entry moves it to the front; inserting into a full set reuses the node of
 //! the entry at the back and reports the hash it evicted.
 
 use std::collections::HashMap;
@@ -96,6 +96,12 @@ impl Lru {
                 self.unlink(i);
                 self.push_front(i);
             }
+            let held = self.nodes[i as usize].hash;
+            if held != hash {
+                // Another block with the same low 32 bits: the newer one takes the slot.
+                self.nodes[i as usize].hash = hash;
+                return Touch::Replaced(held);
+            }
             return Touch::Refreshed;
         }
         if self.map.len() < self.capacity {
@@ -162,6 +168,17 @@ mod tests {
         assert_eq!(lru.touch(5), Touch::Replaced(3));
         assert_eq!(lru.touch(6), Touch::Replaced(1));
         assert_eq!(lru.iter().collect::<Vec<_>>(), vec![6, 5, 4]);
+    }
+
+    #[test]
+    fn same_low_bits_replace_instead_of_refresh() {
+        let mut lru = Lru::new(4);
+        let a = 0x0000_0001_0000_0007;
+        let b = 0x0000_0002_0000_0007;
+        assert_eq!(lru.touch(a), Touch::Inserted);
+        assert_eq!(lru.touch(b), Touch::Replaced(a));
+        assert_eq!(lru.touch(b), Touch::Refreshed);
+        assert_eq!(lru.iter().collect::<Vec<_>>(), vec![b]);
     }
 
     #[test]
