@@ -267,3 +267,19 @@ impl Lease {
         self.pool.checkin(self.backend, self.conn);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn connect_target_defaults_port_80_and_unbrackets_ipv6() {
+        let a: Authority = "vllm.internal".parse().unwrap();
+        assert_eq!(target(&a), ("vllm.internal", 80));
+        let a: Authority = "127.0.0.1:8000".parse().unwrap();
+        assert_eq!(target(&a), ("127.0.0.1", 8000));
+        let a: Authority = "[::1]:9000".parse().unwrap();
+        assert_eq!(target(&a), ("::1", 9000));
+    }
+}
