@@ -24,7 +24,9 @@ for _ in $(seq 1 200); do curl -sf -o /dev/null "http://127.0.0.1:$LISTEN/ready"
 ticks() { awk '{print $14 + $15}' "/proc/$LB/stat"; }
 HZ=$(getconf CLK_TCK)
 T0=$(ticks); sleep "$SECS"; T1=$(ticks)
-SCRAPES=$(curl -s "http://127.0.0.1:$LISTEN/metrics" | awk '/^inferlb_backend_scrape_duration_seconds_count/ {s += $2} END {print s}')
+PAGE=$(curl -s "http://127.0.0.1:$LISTEN/metrics")
+SCRAPES=$(awk '/^inferlb_backend_scrape_duration_seconds_count/ {s += $2} END {print s}' <<<"$PAGE")
+echo "connections opened: $(awk '/^inferlb_upstream_connections_opened_total/ {print $2}' <<<"$PAGE"); scrape errors: $(awk '/^inferlb_backend_scrape_errors_total/ {s += $2} END {print s + 0}' <<<"$PAGE")"
 python3 - "$T0" "$T1" "$HZ" "$SECS" "$N" "$SCRAPES" <<'PY'
 import sys
 t0, t1, hz, secs, n, scrapes = map(float, sys.argv[1:])

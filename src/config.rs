@@ -210,6 +210,8 @@ pub struct PollerConfig {
     pub unhealthy_after: u32,
     /// Consecutive successful scrapes that re-admit an unhealthy backend.
     pub healthy_after: u32,
+    /// Ask backends for only the series inferlb reads (`/metrics?name[]=…`).
+    pub filter_metrics: bool,
 }
 
 impl Default for PollerConfig {
@@ -221,6 +223,7 @@ impl Default for PollerConfig {
             models_interval_ms: 10_000,
             unhealthy_after: 3,
             healthy_after: 2,
+            filter_metrics: true,
         }
     }
 }
@@ -598,6 +601,7 @@ mod shipped {
         assert_eq!(c.poller.models_interval_ms, d.poller.models_interval_ms);
         assert_eq!(c.poller.unhealthy_after, d.poller.unhealthy_after);
         assert_eq!(c.poller.healthy_after, d.poller.healthy_after);
+        assert_eq!(c.poller.filter_metrics, d.poller.filter_metrics);
         assert_eq!(c.forward.connect_timeout_ms, d.forward.connect_timeout_ms);
         assert_eq!(c.forward.response_timeout_ms, d.forward.response_timeout_ms);
         assert_eq!(c.forward.max_attempts, d.forward.max_attempts);

@@ -237,3 +237,83 @@ async fn connections_the_backend_closed_are_replaced_without_failures() {
     );
     router.shutdown().await;
 }
+
+/// A backend recording the metrics paths it is asked for; `filtered` decides whether it serves
+/// `/metrics/` (honouring `name[]`, as vLLM's exposition app does) or only `/metrics`.
+async fn recording_backend(filtered: bool) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::extract::{RawQuery, State};
+    use axum::routing::get;
+    type Seen = Arc<std::sync::Mutex<Vec<String>>>;
+    let page = "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.25\nhttp_requests_total 99\n";
+    let seen: Seen = Arc::default();
+    let whole = move |State(seen): State<Seen>| async move {
+        seen.lock().unwrap().push("/metrics".into());
+        page
+    };
+    let mut app = axum::Router::new().route("/metrics", get(whole)).route(
+        "/v1/models",
+        get(|| async { r#"{"object":"list","data":[{"id":"m","object":"model"}]}"# }),
+    );
+    if filtered {
+        let part = move |State(seen): State<Seen>, RawQuery(q): RawQuery| async move {
+            seen.lock()
+                .unwrap()
+                .push(format!("/metrics/?{}", q.unwrap_or_default()));
+            page.lines()
+                .filter(|l| !l.starts_with("http_"))
+                .map(|l| format!("{l}\n"))
+                .collect::<String>()
+        };
+        app = app.route("/metrics/", get(part));
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = app.with_state(Arc::clone(&seen));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn scrapes_ask_for_only_the_series_read_and_fall_back_to_the_whole_page() {
+    let (filtering, seen_f) = recording_backend(true).await;
+    let (plain, seen_p) = recording_backend(false).await;
+    let mut cfg = inferlb::config::Config::default();
+    cfg.poller.interval_ms = 20;
+    cfg.backends = vec![
+        inferlb::config::BackendConfig::from_url(filtering.clone()),
+        inferlb::config::BackendConfig::from_url(plain.clone()),
+    ];
+    let router = start_router(cfg).await;
+    // Both are admitted with their metrics read.
+    until_backends_json(&router, |v| {
+        v["backends"].as_array().is_some_and(|bs| {
+            bs.len() == 2
+                && bs
+                    .iter()
+                    .all(|b| b["healthy"] == true && b["metrics"]["waiting"] == 2.0)
+        })
+    })
+    .await;
+    let f = seen_f.lock().unwrap().clone();
+    assert!(!f.is_empty(), "{f:?}");
+    assert!(
+        f.iter()
+            .all(|p| p.starts_with("/metrics/?name%5B%5D=vllm%3Anum_requests_waiting")),
+        "{f:?}"
+    );
+    let p = seen_p.lock().unwrap().clone();
+    // Its metrics (checked above) came from the whole page.
+    assert!(p.iter().any(|x| x == "/metrics"), "{p:?}");
+    let m = metrics_text(&router).await;
+    assert_eq!(
+        series_sum(&m, "inferlb_backend_scrape_errors_total", &plain),
+        0.0,
+        "{m}"
+    );
+    assert_eq!(
+        series_sum(&m, "inferlb_backend_scrape_errors_total", &filtering),
+        0.0,
+        "{m}"
+    );
+    router.shutdown().await;
+}

@@ -74,6 +74,46 @@ impl EngineMetricNames {
     }
 }
 
+impl EngineMetricNames {
+    /// The query `name[]=a&name[]=b…` asking a server for only the series read here. Python
+    /// servers built on `prometheus_client`'s exposition app honour it and send a page of a
+    /// few hundred bytes instead of tens of kilobytes; servers that ignore it send the whole
+    /// page, which is read the same way. The counter families are asked for as `x_total` too.
+    pub fn filter_query(&self) -> String {
+        let counters = [&self.prefix_cache_hits, &self.prefix_cache_queries];
+        let gauges = [&self.cache_config, &self.lora];
+        let mut names: Vec<String> = self
+            .waiting
+            .iter()
+            .chain(&self.running)
+            .chain(&self.kv_usage)
+            .chain(gauges.into_iter().flatten())
+            .cloned()
+            .collect();
+        for name in counters.into_iter().flatten() {
+            names.push(name.clone());
+            if !name.ends_with("_total") {
+                names.push(format!("{name}_total"));
+            }
+        }
+        let mut q = String::new();
+        for name in &names {
+            if !q.is_empty() {
+                q.push('&');
+            }
+            q.push_str("name%5B%5D=");
+            for b in name.bytes() {
+                if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.' {
+                    q.push(char::from(b));
+                } else {
+                    q.push_str(&format!("%{b:02X}"));
+                }
+            }
+        }
+        q
+    }
+}
+
 /// What the scorers can know about a backend's load, read from one scrape.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadMetrics {
@@ -233,6 +273,22 @@ mod tests {
 
     fn vllm() -> EngineMetricNames {
         EngineMetricNames::builtin("vllm").unwrap()
+    }
+
+    #[test]
+    fn filter_query_names_every_series_read_percent_encoded() {
+        let q = EngineMetricNames::builtin("sglang").unwrap().filter_query();
+        assert_eq!(
+            q,
+            "name%5B%5D=sglang%3Anum_queue_reqs&name%5B%5D=sglang%3Anum_running_reqs&name%5B%5D=sglang%3Atoken_usage"
+        );
+        let q = vllm().filter_query();
+        assert!(q.contains("name%5B%5D=vllm%3Acache_config_info&"), "{q}");
+        assert!(
+            q.ends_with("name%5B%5D=vllm%3Aprefix_cache_queries_total"),
+            "{q}"
+        );
+        assert_eq!(q.matches("name%5B%5D=").count(), 10, "{q}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! * Simulator: `GET|POST /sim/faults` (see `faults.rs`), `GET /sim/stats`.
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -70,7 +70,25 @@ pub async fn version() -> Json<Value> {
     Json(json!({ "version": VERSION }))
 }
 
+/// `GET /metrics`: the whole page, as vLLM's own route serves it (it ignores `?name[]=`).
 pub async fn metrics_page(State(st): State<AppState>) -> Response {
+    metrics_response(st, None).await
+}
+
+/// `GET /metrics/`: vLLM mounts `prometheus_client`'s exposition app there, which honours
+/// `?name[]=series` by sending only those series.
+pub async fn metrics_page_filtered(
+    State(st): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let names = query
+        .as_deref()
+        .map(metrics::query_names)
+        .unwrap_or_default();
+    metrics_response(st, (!names.is_empty()).then_some(names)).await
+}
+
+async fn metrics_response(st: AppState, names: Option<Vec<String>>) -> Response {
     if st.faults.metrics_hang() {
         // The fault: never answer (the client's timeout is what is being tested).
         std::future::pending::<()>().await;
@@ -83,8 +101,14 @@ pub async fn metrics_page(State(st): State<AppState>) -> Response {
         "<html>\u{0}garbage{{{ not prometheus\nvllm:num_requests_running{engine=\"0\" NaN?!\n"
             .to_string()
     } else {
-        let m = st.engine.shared.metrics();
-        metrics::render(&m, &st.page_info)
+        let page = {
+            let m = st.engine.shared.metrics();
+            metrics::render(&m, &st.page_info)
+        };
+        match names {
+            Some(names) => metrics::restrict(&page, &names),
+            None => page,
+        }
     };
     let mut resp = Response::new(Body::from(text));
     resp.headers_mut().insert(

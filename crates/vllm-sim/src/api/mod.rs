@@ -60,6 +60,7 @@ pub fn router(state: AppState) -> Router {
         .route("/tokenize", post(extra::tokenize))
         .route("/detokenize", post(extra::detokenize))
         .route("/metrics", get(extra::metrics_page))
+        .route("/metrics/", get(extra::metrics_page_filtered))
         .route("/version", get(extra::version))
         .route("/ping", get(extra::empty_ok).post(extra::empty_ok))
         .route("/get_model_info", get(extra::model_info))

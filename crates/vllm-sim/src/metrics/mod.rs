@@ -15,7 +15,7 @@
 
 mod page;
 
-pub use page::{fmt_value, render, PageInfo};
+pub use page::{fmt_value, query_names, render, restrict, PageInfo};
 
 /// Finish reasons in vLLM's label order.
 pub const FINISH_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];

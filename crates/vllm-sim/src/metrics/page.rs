@@ -426,8 +426,83 @@ fn cache_config_info(p: &mut Page, info: &PageInfo) {
     );
 }
 
+/// The page restricted to the samples named in `names`, as `prometheus_client`'s exposition
+/// app answers `?name[]=…` (vLLM serves that app at `/metrics/`): a family keeps its `# HELP`
+/// and `# TYPE` lines when at least one of its samples is kept.
+pub fn restrict(page: &str, names: &[String]) -> String {
+    let mut out = String::with_capacity(1024);
+    let mut header: Vec<&str> = Vec::new();
+    for line in page.lines() {
+        if line.starts_with("# HELP ") {
+            header.clear();
+            header.push(line);
+            continue;
+        }
+        if line.starts_with('#') {
+            header.push(line);
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        if names.iter().any(|n| n == name) {
+            for h in header.drain(..) {
+                out.push_str(h);
+                out.push('\n');
+            }
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The `name[]` values of a query string, percent-decoded.
+pub fn query_names(query: &str) -> Vec<String> {
+    query
+        .split('&')
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=')?;
+            (percent_decode(k) == "name[]").then(|| percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match b[i] {
+            b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn restricted_page_keeps_named_samples_and_their_headers() {
+        let page = "# HELP a A.\n# TYPE a gauge\na{x=\"1\"} 1\n# HELP b_total B.\n# TYPE b_total counter\nb_total 2\nb_created 3\n# HELP c C.\n# TYPE c gauge\nc 4\n";
+        let names = super::query_names("name%5B%5D=b_total&name[]=c&other=1");
+        assert_eq!(names, vec!["b_total".to_string(), "c".to_string()]);
+        assert_eq!(
+            super::restrict(page, &names),
+            "# HELP b_total B.\n# TYPE b_total counter\nb_total 2\n# HELP c C.\n# TYPE c gauge\nc 4\n"
+        );
+        assert_eq!(super::restrict(page, &[]), "");
+    }
+
     use super::*;
     use crate::metrics::Metrics;
 
