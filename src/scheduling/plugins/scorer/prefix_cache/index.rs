@@ -2,7 +2,7 @@
 //!
 //! Two structures work together:
 //! * a sharded map `(block hash, word) → bitmask` answers "which backends hold this block" with
-//!   one probe per block and 64-backend word, so matching a prompt costs O(blocks), not
+//!   one probe per block and 32-backend word, so matching a prompt costs O(blocks), not
 //!   O(blocks × backends);
 //! * one [`Lru`] per backend bounds what each backend is believed to hold; when it evicts a
 //!   block, the recorder clears that backend's bit in the map in the same step.
@@ -27,6 +27,10 @@ use super::lru::{Lru, Touch};
 
 const SHARDS: usize = 64;
 
+/// Backends per bitmask word.
+const WORD: usize = 32;
+type Mask = u32;
+
 /// Block hashes are already uniformly distributed: hashing them again would only cost time.
 #[derive(Default)]
 pub struct PassThroughHasher(u64);
@@ -50,13 +54,16 @@ impl Hasher for PassThroughHasher {
     }
 }
 
-/// Keyed by the block hash mixed with the 64-backend word number; the value is that word's
-/// bitmask of backends holding the block.
-type Shard = RwLock<HashMap<u64, u64, BuildHasherDefault<PassThroughHasher>>>;
+/// Keyed by 32 bits of the block hash mixed with the 32-backend word number; the value is that
+/// word's bitmask of backends holding the block. A shard is picked by 6 other bits, so 38 bits
+/// of the hash tell blocks apart: at a million blocks, about one probe in 250,000 meets another
+/// block's entry — a match that can be off by a block, never a crash — and an entry costs
+/// 8 bytes instead of 16.
+type Shard = RwLock<HashMap<u32, Mask, BuildHasherDefault<PassThroughHasher>>>;
 
-/// The map key of block `hash` for backend word `w` (word 0 keeps the hash itself).
-fn key(hash: u64, w: u16) -> u64 {
-    hash ^ u64::from(w).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+/// The map key of block `hash` for backend word `w` (word 0: the hash's low 32 bits).
+fn key(hash: u64, w: u16) -> u32 {
+    (hash ^ u64::from(w).wrapping_mul(0x9E37_79B9_7F4A_7C15)) as u32
 }
 
 /// Chain-hash `text` in blocks of `block` bytes, at most `max_blocks`, into `out`.
@@ -95,8 +102,8 @@ fn shard_of(hash: u64) -> usize {
     (hash >> 58) as usize % SHARDS
 }
 
-fn word_bit(backend: usize) -> (u16, u64) {
-    ((backend / 64) as u16, 1u64 << (backend % 64))
+fn word_bit(backend: usize) -> (u16, Mask) {
+    ((backend / WORD) as u16, 1 << (backend % WORD))
 }
 
 impl Default for PrefixIndex {
@@ -140,7 +147,7 @@ impl PrefixIndex {
     /// blocks last to first, so every block is at least as recent as anything chained after it
     /// and the LRU never evicts a block before its descendants. Whether a backend holds block
     /// `i` is therefore monotone in `i`, and every candidate's depth is found by bisection —
-    /// all candidates of one 64-backend word at once, splitting them by the bitmask at each
+    /// all candidates of one 32-backend word at once, splitting them by the bitmask at each
     /// probe — in O(log n) probes per distinct depth instead of one probe per block.
     pub fn match_lengths(&self, hashes: &[u64], candidates: &[(usize, u64)], out: &mut [usize]) {
         out.iter_mut().for_each(|m| *m = 0);
@@ -148,8 +155,8 @@ impl PrefixIndex {
             return;
         }
         // alive[w] = candidates (by bit) in word w whose records are current.
-        let words = candidates.iter().map(|(b, _)| b / 64).max().unwrap_or(0) + 1;
-        let mut alive = vec![0u64; words];
+        let words = candidates.iter().map(|(b, _)| b / WORD).max().unwrap_or(0) + 1;
+        let mut alive: Vec<Mask> = vec![0; words];
         {
             let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
             for (backend, epoch) in candidates {
@@ -160,7 +167,7 @@ impl PrefixIndex {
                 }
             }
         }
-        let mut depths = vec![0usize; words * 64];
+        let mut depths = vec![0usize; words * WORD];
         for (w, set) in alive.iter().enumerate() {
             if *set == 0 {
                 continue;
@@ -177,7 +184,7 @@ impl PrefixIndex {
     }
 
     /// The backends of word `w` holding block `hash`.
-    fn holders(&self, hash: u64, w: u16) -> u64 {
+    fn holders(&self, hash: u64, w: u16) -> Mask {
         let shard = self.shards[shard_of(hash)]
             .read()
             .unwrap_or_else(PoisonError::into_inner);
@@ -186,11 +193,19 @@ impl PrefixIndex {
 
     /// Every backend in `set` (word `w`) holds at least `lo` and at most `hi` leading blocks:
     /// write each one's exact count into `depths`.
-    fn bisect(&self, hashes: &[u64], w: u16, lo: usize, hi: usize, set: u64, depths: &mut [usize]) {
+    fn bisect(
+        &self,
+        hashes: &[u64],
+        w: u16,
+        lo: usize,
+        hi: usize,
+        set: Mask,
+        depths: &mut [usize],
+    ) {
         if lo == hi {
             let mut m = set;
             while m != 0 {
-                depths[usize::from(w) * 64 + m.trailing_zeros() as usize] = lo;
+                depths[usize::from(w) * WORD + m.trailing_zeros() as usize] = lo;
                 m &= m - 1;
             }
             return;
@@ -234,14 +249,14 @@ impl PrefixIndex {
         entry.len.store(lru.len(), Ordering::Relaxed);
     }
 
-    fn set_bit(&self, hash: u64, w: u16, bit: u64) {
+    fn set_bit(&self, hash: u64, w: u16, bit: Mask) {
         let mut shard = self.shards[shard_of(hash)]
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         *shard.entry(key(hash, w)).or_insert(0) |= bit;
     }
 
-    fn clear_bit(&self, hash: u64, w: u16, bit: u64) {
+    fn clear_bit(&self, hash: u64, w: u16, bit: Mask) {
         let mut shard = self.shards[shard_of(hash)]
             .write()
             .unwrap_or_else(PoisonError::into_inner);
