@@ -380,14 +380,16 @@ impl Poller {
                 Some(c) => c,
                 None => pool::connect(&backend.authority, timeout).await?,
             };
-            let answer = match conn.fetch(make(), MAX_BODY).await {
-                // The backend closed the kept connection before the request left: reconnect.
-                Err(pool::ConnError::NotSent) if reused => {
-                    conn = pool::connect(&backend.authority, timeout).await?;
-                    conn.fetch(make(), MAX_BODY).await?
-                }
-                other => other?,
-            };
+            let response = pool::send_with_reconnect(
+                &mut conn,
+                reused,
+                &backend.authority,
+                timeout,
+                make(),
+                || Some(make()),
+            )
+            .await?;
+            let answer = conn.read_whole(response, MAX_BODY).await?;
             Ok::<_, pool::ConnError>((conn, answer))
         };
         let (conn, (status, body)) = match tokio::time::timeout(timeout, exchange).await {

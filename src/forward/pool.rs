@@ -115,13 +115,13 @@ impl Conn {
         })
     }
 
-    /// Send `request` and read its whole response (a body of at most `limit` bytes).
-    pub async fn fetch(
+    /// Read the whole body of `response` (received on this connection), at most `limit` bytes.
+    pub async fn read_whole(
         &mut self,
-        request: Request<Full<Bytes>>,
+        response: Response<Incoming>,
         limit: usize,
     ) -> Result<(http::StatusCode, Bytes), ConnError> {
-        let (parts, mut body) = self.send(request).await?.into_parts();
+        let (parts, mut body) = response.into_parts();
         let mut buf = BytesMut::new();
         std::future::poll_fn(|cx| loop {
             self.drive(cx);
