@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, start_router, until_backends_json, TestRouter};
+use common::{client, metrics_text, start_router, until_backends_json, TestRouter};
 use futures_util::StreamExt;
 use inferlb::config::{BackendConfig, Config};
 use vllm_sim::{SimConfig, SimHandle};
@@ -112,14 +112,7 @@ async fn hung_metrics_delay_no_one_else_and_garbage_is_ignored() {
     let hung = sims[0].url();
     let garbage = sims[1].url();
     until_backends_json(&router, |v| !healthy(v, &hung) && healthy(v, &garbage)).await;
-    let page = client()
-        .get(router.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_text(&router).await;
     assert!(
         page.lines()
             .any(|l| l.starts_with("inferlb_backend_scrape_errors_total")

@@ -357,14 +357,7 @@ async fn metrics_expose_inferlb_series_after_traffic() {
         assert_eq!(chat(&router, "m", &format!("{long}{i}")).await.0, 200);
     }
     let _ = chat(&router, "nope", "x").await;
-    let page = client()
-        .get(router.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_text(&router).await;
     let mut found: HashMap<&str, bool> = HashMap::new();
     for name in [
         "inferlb_requests_total",

@@ -14,17 +14,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-async fn metrics_text(router: &TestRouter) -> String {
-    client()
-        .get(router.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// The values of series `name` with label `backend="<backend>"`, summed over their other
 /// labels (0 when absent). Filtering by backend keeps tests in one process (which share one
 /// metrics recorder) out of each other's counts.

@@ -97,13 +97,7 @@ impl GuardedBody {
         // An empty body (204, `Content-Length: 0`) is complete already, and a server does not
         // poll a body that says so: settle it here, or it would count as abandoned.
         if body.inner.is_end_stream() && !body.sse {
-            let outcome = if body.error_status {
-                Outcome::Failed
-            } else {
-                Outcome::Success
-            };
-            body.finish(outcome);
-            body.release_connection();
+            body.settle();
         }
         body
     }
@@ -146,6 +140,18 @@ impl GuardedBody {
             }
         }
         joined.map_or(first, BytesMut::freeze)
+    }
+
+    /// The body ended as the backend meant it to: record the outcome (an error status is a
+    /// failure) and hand the connection back.
+    fn settle(&mut self) {
+        let outcome = if self.error_status {
+            Outcome::Failed
+        } else {
+            Outcome::Success
+        };
+        self.finish(outcome);
+        self.release_connection();
     }
 
     /// The body was read to the end: its connection can carry another request.
@@ -251,13 +257,7 @@ impl Body for GuardedBody {
                 if this.inner.is_end_stream()
                     && !(this.sse && !this.saw_done() && !this.error_status)
                 {
-                    let outcome = if this.error_status {
-                        Outcome::Failed
-                    } else {
-                        Outcome::Success
-                    };
-                    this.finish(outcome);
-                    this.release_connection();
+                    this.settle();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -268,13 +268,7 @@ impl Body for GuardedBody {
                 if this.sse && !this.error_status && this.guard.is_some() && !this.saw_done() {
                     return this.fail("the backend ended the stream before [DONE]".into());
                 }
-                let outcome = if this.error_status {
-                    Outcome::Failed
-                } else {
-                    Outcome::Success
-                };
-                this.finish(outcome);
-                this.release_connection();
+                this.settle();
                 Poll::Ready(None)
             }
             Poll::Pending => match this.timer.as_mut().poll(cx) {

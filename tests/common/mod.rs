@@ -354,6 +354,18 @@ pub async fn until_backends(
     panic!("the router never reached the expected backend state");
 }
 
+/// The router's `/metrics` page.
+pub async fn metrics_text(router: &TestRouter) -> String {
+    client()
+        .get(router.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// The router's `/admin/backends` answer.
 pub async fn admin_view(router: &TestRouter) -> serde_json::Value {
     client()
