@@ -107,14 +107,14 @@ impl GuardedBody {
         if let Some(stashed) = self.stash.take() {
             return Poll::Ready(stashed);
         }
-        let open = self.lease.as_mut().is_none_or(|l| l.conn.drive(cx));
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(frame) => Poll::Ready(frame.map(|r| r.map_err(BoxError::from))),
-            // The connection ended without settling the body: nothing more can arrive.
-            Poll::Pending if !open => {
-                Poll::Ready(Some(Err("the backend connection closed".into())))
-            }
-            Poll::Pending => Poll::Pending,
+        match &mut self.lease {
+            Some(lease) => lease
+                .conn
+                .poll_body(cx, &mut self.inner)
+                .map(|frame| frame.map(|r| r.map_err(BoxError::from))),
+            None => Pin::new(&mut self.inner)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|r| r.map_err(BoxError::from))),
         }
     }
 

@@ -49,6 +49,8 @@ pub enum ConnError {
     Http(#[from] hyper::Error),
     #[error("the response body is larger than {0} bytes")]
     TooLarge(usize),
+    #[error("the backend connection closed mid-response")]
+    Closed,
 }
 
 impl ConnError {
@@ -115,6 +117,22 @@ impl Conn {
         })
     }
 
+    /// Drive the connection, then take the next frame of `body` (received on it). A body
+    /// still waiting when the connection has ended can get nothing more: that is an error, not
+    /// a wait.
+    pub fn poll_body(
+        &mut self,
+        cx: &mut Context<'_>,
+        body: &mut Incoming,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, ConnError>>> {
+        let open = self.drive(cx);
+        match Pin::new(body).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|r| r.map_err(ConnError::Http))),
+            Poll::Pending if !open => Poll::Ready(Some(Err(ConnError::Closed))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
     /// Read the whole body of `response` (received on this connection), at most `limit` bytes.
     pub async fn read_whole(
         &mut self,
@@ -124,8 +142,7 @@ impl Conn {
         let (parts, mut body) = response.into_parts();
         let mut buf = BytesMut::new();
         std::future::poll_fn(|cx| loop {
-            self.drive(cx);
-            match std::task::ready!(Pin::new(&mut body).poll_frame(cx)) {
+            match std::task::ready!(self.poll_body(cx, &mut body)) {
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
                         if buf.len() + data.len() > limit {
@@ -134,7 +151,7 @@ impl Conn {
                         buf.extend_from_slice(&data);
                     }
                 }
-                Some(Err(e)) => return Poll::Ready(Err(ConnError::Http(e))),
+                Some(Err(e)) => return Poll::Ready(Err(e)),
                 None => return Poll::Ready(Ok(())),
             }
         })
