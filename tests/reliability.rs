@@ -11,20 +11,6 @@ use common::*;
 use futures_util::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn stream_body() -> serde_json::Value {
-    serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
-}
-
-/// POST a streaming chat request through `router`.
-async fn open_stream(router: &TestRouter) -> reqwest::Response {
-    client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_5xx_before_any_byte_is_retried_elsewhere() {
     let bad = FakeBackend::start("bad", &["m"]).await;

@@ -35,13 +35,7 @@ async fn a_stream_that_keeps_talking_outlives_the_idle_timeout() {
     let mut cfg = config(&[&b]);
     cfg.forward.stream_idle_timeout_ms = 250;
     let router = start_router(cfg).await;
-    let body = serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = open_stream(&router).await;
     assert_eq!(resp.status(), 200);
     let text = tokio::time::timeout(Duration::from_secs(20), resp.text())
         .await

@@ -354,6 +354,20 @@ pub async fn until_backends(
     panic!("the router never reached the expected backend state");
 }
 
+pub fn stream_body() -> serde_json::Value {
+    serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// POST a streaming chat request through `router`.
+pub async fn open_stream(router: &TestRouter) -> reqwest::Response {
+    client()
+        .post(router.url("/v1/chat/completions"))
+        .json(&stream_body())
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The router's `/metrics` page.
 pub async fn metrics_text(router: &TestRouter) -> String {
     client()
