@@ -374,22 +374,16 @@ impl Poller {
         };
         let timeout = self.cfg.timeout();
         let exchange = async {
-            let kept = slot.take().and_then(|mut c| c.reusable().then_some(c));
-            let reused = kept.is_some();
-            let mut conn = match kept {
-                Some(c) => c,
-                None => pool::connect(&backend.authority, timeout).await?,
-            };
-            let response = pool::send_with_reconnect(
-                &mut conn,
-                reused,
-                &backend.authority,
-                timeout,
-                make(),
-                || Some(make()),
-            )
-            .await?;
-            let answer = conn.read_whole(response, MAX_BODY).await?;
+            // The backend may close a kept connection at any moment, even as the request goes
+            // out. A scrape is an idempotent GET, so whatever fails on a kept connection is
+            // tried once more on a fresh one.
+            if let Some(mut conn) = slot.take().and_then(|mut c| c.reusable().then_some(c)) {
+                if let Ok(answer) = conn.fetch(make(), MAX_BODY).await {
+                    return Ok((conn, answer));
+                }
+            }
+            let mut conn = pool::connect(&backend.authority, timeout).await?;
+            let answer = conn.fetch(make(), MAX_BODY).await?;
             Ok::<_, pool::ConnError>((conn, answer))
         };
         let (conn, (status, body)) = match tokio::time::timeout(timeout, exchange).await {

@@ -133,8 +133,18 @@ impl Conn {
         }
     }
 
+    /// Send `request` and read its whole response (a body of at most `limit` bytes).
+    pub async fn fetch(
+        &mut self,
+        request: Request<Full<Bytes>>,
+        limit: usize,
+    ) -> Result<(http::StatusCode, Bytes), ConnError> {
+        let response = self.send(request).await?;
+        self.read_whole(response, limit).await
+    }
+
     /// Read the whole body of `response` (received on this connection), at most `limit` bytes.
-    pub async fn read_whole(
+    async fn read_whole(
         &mut self,
         response: Response<Incoming>,
         limit: usize,
