@@ -114,6 +114,11 @@ impl EngineMetricNames {
     }
 }
 
+/// Largest plausible tokens per KV block (vLLM uses 1–256).
+pub const MAX_BLOCK_SIZE: u64 = 1 << 16;
+/// Largest plausible number of KV blocks on one server (2^32 × 2^16 tokens still fits u64).
+pub const MAX_GPU_BLOCKS: u64 = 1 << 32;
+
 /// What the scorers can know about a backend's load, read from one scrape.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadMetrics {
@@ -132,9 +137,16 @@ pub struct LoadMetrics {
 }
 
 impl LoadMetrics {
-    /// KV-cache capacity in tokens, when the geometry is known.
+    /// KV-cache capacity in tokens, when the geometry is known and plausible. The numbers come
+    /// from a backend's labels, so they are bounded and multiplied without overflow.
     pub fn kv_capacity_tokens(&self) -> Option<u64> {
-        Some(self.block_size? * self.num_gpu_blocks?)
+        let block = self
+            .block_size
+            .filter(|b| (1..=MAX_BLOCK_SIZE).contains(b))?;
+        let blocks = self
+            .num_gpu_blocks
+            .filter(|n| (1..=MAX_GPU_BLOCKS).contains(n))?;
+        block.checked_mul(blocks)
     }
 }
 
@@ -370,5 +382,22 @@ mod tests {
         assert!(extract("vllm:num_requests_waiting{ 3\n", &vllm()).is_err());
         let empty = extract("", &vllm()).unwrap();
         assert_eq!(empty, LoadMetrics::default());
+    }
+
+    /// Backend labels are untrusted: a product that would overflow (a panic in debug builds,
+    /// a wrapped value in release before) or an implausible geometry gives "unknown".
+    #[test]
+    fn cache_geometry_from_labels_is_bounded() {
+        let page = |bs: &str, n: &str| {
+            format!("vllm:cache_config_info{{block_size=\"{bs}\",num_gpu_blocks=\"{n}\"}} 1\n")
+        };
+        let cap = |bs: &str, n: &str| extract(&page(bs, n), &vllm()).unwrap().kv_capacity_tokens();
+        assert_eq!(cap("16", "1000"), Some(16_000));
+        assert_eq!(cap("18446744073709551615", "2"), None);
+        assert_eq!(cap("4294967296", "4294967296"), None);
+        assert_eq!(cap("65536", "4294967296"), Some(1 << 48));
+        assert_eq!(cap("0", "10"), None);
+        assert_eq!(cap("16", "0"), None);
+        assert_eq!(cap("-16", "10"), None);
     }
 }

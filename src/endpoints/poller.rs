@@ -89,6 +89,10 @@ pub fn next_state(
 
 /// Largest page or model list read from a backend.
 const MAX_BODY: usize = 16 << 20;
+/// At most this many models per backend are kept from `/v1/models` (ids become metric labels).
+pub const MAX_MODELS: usize = 1024;
+/// Longest model id kept (bytes).
+pub const MAX_MODEL_ID_BYTES: usize = 256;
 
 /// Why a GET to a backend failed; `kind` is the label of the scrape-error counter.
 struct FetchError {
@@ -327,12 +331,18 @@ impl Poller {
                 return unusable("status", format!("GET {url}{}: {}", target.uri, e.reason))
             }
             Err(e) => {
-                return Scrape::Failed(fail(e.kind, format!("GET {url}/metrics: {}", e.reason)))
+                return Scrape::Failed(fail(
+                    e.kind,
+                    format!("GET {url}{}: {}", target.uri, e.reason),
+                ))
             }
         };
         // Raw bytes and a UTF-8 check: no charset sniffing or lossy copy of a 50 KB page.
         let Ok(page) = std::str::from_utf8(&bytes) else {
-            return unusable("parse", format!("GET {url}/metrics: the page is not UTF-8"));
+            return unusable(
+                "parse",
+                format!("GET {url}{}: the page is not UTF-8", target.uri),
+            );
         };
         match extract(page, &backend.engine) {
             Ok(m)
@@ -341,7 +351,7 @@ impl Poller {
                 unusable("parse", format!("GET {url}{}: no load signal", target.uri))
             }
             Ok(m) => Scrape::Ok(m),
-            Err(e) => unusable("parse", format!("GET {url}/metrics: {e}")),
+            Err(e) => unusable("parse", format!("GET {url}{}: {e}", target.uri)),
         }
     }
 
@@ -426,14 +436,21 @@ impl Poller {
             .map_err(|e| e.reason)?;
         let list: ModelList =
             serde_json::from_slice(&bytes).map_err(|e| format!("invalid model list: {e}"))?;
-        Ok(list
+        // Model ids become metric labels and admin output: keep a bounded number of sane ones.
+        let mut seen = std::collections::HashSet::new();
+        let models: Vec<ModelEntry> = list
             .data
             .into_iter()
             .filter_map(|object| {
                 let id = object.get("id")?.as_str()?.to_owned();
-                Some(ModelEntry { id, object })
+                let sane = !id.is_empty()
+                    && id.len() <= MAX_MODEL_ID_BYTES
+                    && !id.chars().any(char::is_control);
+                (sane && seen.insert(id.clone())).then_some(ModelEntry { id, object })
             })
-            .collect())
+            .take(MAX_MODELS)
+            .collect();
+        Ok(models.into())
     }
 }
 

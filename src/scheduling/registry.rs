@@ -191,7 +191,10 @@ mod tests {
         assert_eq!(names.len(), REGISTRY.len());
         let spec: PluginSpec = toml::from_str("type = \"no-such-thing\"").unwrap();
         let err = build(&spec).err().unwrap().to_string();
-        assert!(err.contains("no-such-thing") && err.contains("capacity-filter"), "{err}");
+        assert!(
+            err.contains("no-such-thing") && err.contains("capacity-filter"),
+            "{err}"
+        );
     }
 
     #[test]
