@@ -61,8 +61,6 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Response header naming the backend that served the request.
     pub backend_header: String,
-    /// Request header whose value identifies a client session (optional affinity input).
-    pub session_header: String,
     pub server: ServerConfig,
     pub poller: PollerConfig,
     pub forward: ForwardConfig,
@@ -87,7 +85,6 @@ impl Default for Config {
             log_level: "info".into(),
             max_body_bytes: 32 * 1024 * 1024,
             backend_header: "x-inferlb-backend".into(),
-            session_header: "x-session-id".into(),
             server: ServerConfig::default(),
             poller: PollerConfig::default(),
             forward: ForwardConfig::default(),
@@ -162,6 +159,9 @@ pub struct OutlierConfig {
     /// First ejection length; each further ejection doubles it.
     pub base_ejection_ms: u64,
     pub max_ejection_ms: u64,
+    /// Largest share of the fleet (percent) passively ejected at once; at least one backend
+    /// may always be ejected, but never the last healthy backend of a model.
+    pub max_ejection_percent: u32,
 }
 
 impl Default for OutlierConfig {
@@ -170,6 +170,7 @@ impl Default for OutlierConfig {
             consecutive_failures: 5,
             base_ejection_ms: 5_000,
             max_ejection_ms: 300_000,
+            max_ejection_percent: 50,
         }
     }
 }
@@ -269,8 +270,10 @@ pub struct ForwardConfig {
     pub retry_on_status: bool,
     /// Retries allowed as a fraction of requests, so retries cannot multiply load in an outage.
     pub retry_budget_ratio: f64,
-    /// Retries always allowed on top of the ratio (a reserve that refills with traffic).
-    pub retry_budget_min: u32,
+    /// Retries per second always allowed on top of the ratio.
+    pub retry_budget_min_per_sec: u32,
+    /// How long a request counts towards the budget (1000–60000 ms).
+    pub retry_budget_window_ms: u64,
     /// Backoff before retry n: min(max, base × 2ⁿ) × a random factor in [0.5, 1.5).
     pub backoff_base_ms: u64,
     pub backoff_max_ms: u64,
@@ -289,7 +292,8 @@ impl Default for ForwardConfig {
             request_timeout_ms: 1_800_000,
             retry_on_status: true,
             retry_budget_ratio: 0.2,
-            retry_budget_min: 10,
+            retry_budget_min_per_sec: 1,
+            retry_budget_window_ms: 10_000,
             backoff_base_ms: 20,
             backoff_max_ms: 500,
         }
@@ -409,6 +413,12 @@ impl Config {
                 "must be greater than 0",
             ));
         }
+        if self.outlier_detection.max_ejection_percent > 100 {
+            return Err(ConfigError::invalid(
+                "outlier_detection.max_ejection_percent",
+                "must be within 0..100",
+            ));
+        }
         let p = &self.poller;
         for (field, v) in [
             ("poller.interval_ms", p.interval_ms),
@@ -424,6 +434,18 @@ impl Config {
             return Err(ConfigError::invalid(
                 "poller",
                 "unhealthy_after and healthy_after must be at least 1",
+            ));
+        }
+        if !(1_000..=60_000).contains(&self.forward.retry_budget_window_ms) {
+            return Err(ConfigError::invalid(
+                "forward.retry_budget_window_ms",
+                "must be within 1000..60000",
+            ));
+        }
+        if self.forward.retry_budget_min_per_sec > 1_000_000 {
+            return Err(ConfigError::invalid(
+                "forward.retry_budget_min_per_sec",
+                "must be at most 1000000",
             ));
         }
         if !(0.0..=1.0).contains(&self.forward.retry_budget_ratio) {
@@ -479,14 +501,13 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        for (field, value) in [
-            ("backend_header", &self.backend_header),
-            ("session_header", &self.session_header),
-        ] {
-            http::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
-                ConfigError::invalid(field, format!("`{value}` is not a valid header name"))
-            })?;
-        }
+        let value = &self.backend_header;
+        http::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
+            ConfigError::invalid(
+                "backend_header",
+                format!("`{value}` is not a valid header name"),
+            )
+        })?;
         Ok(())
     }
 
@@ -618,7 +639,6 @@ mod shipped {
             d.forward.forward_client_authorization
         );
         assert_eq!(c.backend_header, d.backend_header);
-        assert_eq!(c.session_header, d.session_header);
         assert_eq!(
             c.server.header_read_timeout_ms,
             d.server.header_read_timeout_ms
@@ -633,7 +653,14 @@ mod shipped {
         assert_eq!(c.forward.request_timeout_ms, d.forward.request_timeout_ms);
         assert_eq!(c.forward.retry_on_status, d.forward.retry_on_status);
         assert_eq!(c.forward.retry_budget_ratio, d.forward.retry_budget_ratio);
-        assert_eq!(c.forward.retry_budget_min, d.forward.retry_budget_min);
+        assert_eq!(
+            c.forward.retry_budget_min_per_sec,
+            d.forward.retry_budget_min_per_sec
+        );
+        assert_eq!(
+            c.forward.retry_budget_window_ms,
+            d.forward.retry_budget_window_ms
+        );
         assert_eq!(c.forward.backoff_base_ms, d.forward.backoff_base_ms);
         assert_eq!(c.forward.backoff_max_ms, d.forward.backoff_max_ms);
         assert_eq!(c.limits.max_inflight, d.limits.max_inflight);

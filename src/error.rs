@@ -32,9 +32,15 @@ pub enum Error {
     /// Every attempt to reach a backend failed before a response arrived.
     #[error("upstream {backend} failed: {reason}")]
     Upstream { backend: String, reason: String },
-    /// The backend did not send response headers in time.
-    #[error("upstream {backend} did not answer within {timeout_ms} ms")]
-    UpstreamTimeout { backend: String, timeout_ms: u64 },
+    /// The backend did not send response headers in time; `limit` names the setting that
+    /// fired (`forward.response_timeout_ms`, or `forward.request_timeout_ms` when the whole
+    /// request's deadline came first).
+    #[error("upstream {backend} did not answer within {timeout_ms} ms ({limit})")]
+    UpstreamTimeout {
+        backend: String,
+        timeout_ms: u64,
+        limit: &'static str,
+    },
     /// The client did not send its body in time.
     #[error("the request body was not received within {0} ms")]
     BodyTimeout(u64),
@@ -218,6 +224,7 @@ mod tests {
                 Error::UpstreamTimeout {
                     backend: "b".into(),
                     timeout_ms: 1,
+                    limit: "forward.response_timeout_ms",
                 },
                 504,
             ),

@@ -71,10 +71,14 @@ pub async fn run(
 ) -> Result<(), RunError> {
     config.validate()?;
     let config = Arc::new(config);
+    // Installed before the pool, whose backends keep metric handles.
+    let metrics = telemetry::prometheus();
     let pool = Arc::new(Pool::from_config(&config)?);
     let profile = scheduling::profile::build_active(&config)?;
     tracing::info!(profile = %profile.describe(), backends = pool.backends().len(), "scheduling profile");
-    let metrics = telemetry::prometheus();
+    for warning in profile.missing_signals(&config) {
+        tracing::warn!("{warning}");
+    }
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let poller = Poller::new(Arc::clone(&pool), config.poller.clone());
@@ -94,26 +98,25 @@ pub async fn run(
 
     let backend_header = http::HeaderName::from_bytes(config.backend_header.as_bytes())
         .map_err(|_| ConfigError::invalid("backend_header", "not a valid header name"))?;
-    let session_header = http::HeaderName::from_bytes(config.session_header.as_bytes())
-        .map_err(|_| ConfigError::invalid("session_header", "not a valid header name"))?;
     let scheduler = Arc::new(Scheduler::new(Arc::clone(&pool), profile));
     let service = tower::ServiceBuilder::new()
         .layer(SchedulerLayer::new(
             scheduler,
             &config.forward,
             &config.limits,
+            &config.outlier_detection,
         ))
         .service(Forwarder::new(
             &config.forward,
             &config.outlier_detection,
             backend_header.clone(),
+            Arc::clone(&pool),
         ));
     let state = Arc::new(AppState {
         config: Arc::clone(&config),
         pool,
         service,
         metrics,
-        session_header,
         backend_header,
         auth: Arc::new(front_door::auth::Auth::from_config(&config.auth)?),
     });

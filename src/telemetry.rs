@@ -10,6 +10,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::config::LogFormat;
 
+/// The `model` label of requests whose model no backend lists (or that name none): a client's
+/// string never becomes a label, so clients cannot grow the number of series.
+pub const OTHER_MODEL: &str = "other";
+
 pub const REQUESTS_TOTAL: &str = "inferlb_requests_total";
 pub const REQUEST_DURATION: &str = "inferlb_request_duration_seconds";
 pub const TIME_TO_FIRST_BYTE: &str = "inferlb_time_to_first_byte_seconds";
@@ -21,17 +25,21 @@ pub const CLIENT_DISCONNECTS: &str = "inferlb_client_disconnects_total";
 pub const UPSTREAM_CONNECTIONS_OPENED: &str = "inferlb_upstream_connections_opened_total";
 pub const BACKEND_HEALTHY: &str = "inferlb_backend_healthy";
 pub const BACKEND_INFLIGHT: &str = "inferlb_backend_inflight";
+pub const BACKEND_EJECTED: &str = "inferlb_backend_ejected";
+pub const BACKEND_EJECTIONS: &str = "inferlb_backend_ejections_total";
 pub const BACKEND_KV_USAGE: &str = "inferlb_backend_kv_cache_usage_ratio";
 pub const BACKEND_WAITING: &str = "inferlb_backend_waiting_requests";
 pub const BACKEND_RUNNING: &str = "inferlb_backend_running_requests";
 pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
 pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_seconds";
 pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
+pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
+pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
-    (REQUESTS_TOTAL, "Client requests answered, once each, by backend, model and final HTTP status code (backend=\"none\" when none answered)."),
+    (REQUESTS_TOTAL, "Client requests answered, once each, by backend, model and final HTTP status code (backend=\"none\" when none answered; model=\"other\" when no backend lists the requested model)."),
     (UPSTREAM_RESPONSES, "Responses received from backends, per attempt (retries count again), by backend and status code."),
     (STREAMS_INTERRUPTED, "Responses whose body broke after the headers (cut, idle or over time), by backend."),
     (REQUEST_DURATION, "Time from receiving a request to the end of its response body, by backend and model."),
@@ -40,13 +48,17 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (UPSTREAM_ATTEMPT_FAILURES, "Forwarding attempts that failed before a response, by backend and reason."),
     (CLIENT_DISCONNECTS, "Responses abandoned by the client before their body ended, by backend."),
     (UPSTREAM_CONNECTIONS_OPENED, "TCP connections opened to backends, for requests and scrapes; far below the request rate when keep-alive works."),
-    (BACKEND_HEALTHY, "1 when the backend is eligible for scheduling, 0 when it is ejected."),
+    (BACKEND_HEALTHY, "1 when the backend passes the poller's active health check, 0 when it does not."),
+    (BACKEND_EJECTED, "1 while outlier detection has the backend ejected or on probation (one probe request at a time), else 0."),
+    (BACKEND_EJECTIONS, "Passive ejections of the backend by outlier detection (consecutive failures of real requests)."),
     (BACKEND_INFLIGHT, "Requests inferlb has in flight to the backend."),
     (BACKEND_KV_USAGE, "The backend's KV-cache usage (0-1) from its last scrape."),
     (BACKEND_WAITING, "Requests waiting in the backend's queue at its last scrape."),
     (BACKEND_RUNNING, "Requests running on the backend at its last scrape."),
     (BACKEND_SCRAPE_ERRORS, "Failed or unusable /metrics scrapes, by backend and kind (connect, status, timeout, parse)."),
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
+    (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
+    (QUEUE_WAIT, "Time requests waited in the router's queue before being dispatched or refused."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
 ];

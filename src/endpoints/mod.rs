@@ -6,6 +6,7 @@
 //! router's own in-flight count is an atomic on the backend, because it changes per request
 //! and is the one signal that is fresh between two polls.
 
+pub mod capacity;
 pub mod engine;
 pub mod passive;
 pub mod poller;
@@ -14,6 +15,11 @@ pub mod prometheus;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::config::OutlierConfig;
+use crate::telemetry as t;
+use capacity::Waiters;
+use passive::Admission;
 
 use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
@@ -125,9 +131,10 @@ pub struct Backend {
     pub static_models: bool,
     state: ArcSwap<BackendState>,
     inflight: AtomicU64,
+    inflight_gauge: metrics::Gauge,
     passive: passive::PassiveHealth,
-    /// Pool-wide signal that some backend released in-flight capacity.
-    freed: Arc<tokio::sync::Notify>,
+    /// The pool's requests waiting for an in-flight slot.
+    waiters: Arc<Waiters>,
 }
 
 impl Backend {
@@ -135,7 +142,7 @@ impl Backend {
         id: usize,
         config: &BackendConfig,
         engine: EngineMetricNames,
-        freed: Arc<tokio::sync::Notify>,
+        waiters: Arc<Waiters>,
     ) -> Result<Self, ConfigError> {
         let (scheme, authority) = parse_base_url(&config.url)
             .map_err(|m| ConfigError::invalid(format!("backends[{id}].url"), m))?;
@@ -154,9 +161,11 @@ impl Backend {
                 Ok(value)
             })
             .transpose()?;
+        let name = format!("{scheme}://{authority}");
         Ok(Backend {
             id,
-            name: format!("{scheme}://{authority}"),
+            inflight_gauge: metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => name.clone()),
+            name,
             scheme,
             authority,
             engine,
@@ -165,7 +174,7 @@ impl Backend {
             state: ArcSwap::from_pointee(BackendState::initial(config.models.as_deref())),
             inflight: AtomicU64::new(0),
             passive: passive::PassiveHealth::default(),
-            freed,
+            waiters,
         })
     }
 
@@ -188,17 +197,45 @@ impl Backend {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn inflight_add(&self) -> u64 {
-        self.inflight.fetch_add(1, Ordering::Relaxed) + 1
+    /// The in-flight count, ordered with the slot hand-off (see [`capacity`]).
+    fn inflight_seq(&self) -> u64 {
+        self.inflight.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn inflight_sub(&self) -> u64 {
-        let n = self
+    /// Add one to the in-flight count if it is below `limit`; see [`capacity::Slot`].
+    fn try_add_inflight(&self, limit: Option<u64>) -> bool {
+        let added = self
             .inflight
-            .fetch_sub(1, Ordering::Relaxed)
-            .saturating_sub(1);
-        self.freed.notify_waiters();
-        n
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                limit.is_none_or(|l| n < l).then(|| n.saturating_add(1))
+            });
+        match added {
+            Ok(n) => {
+                self.inflight_gauge.set(n.saturating_add(1) as f64);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn sub_inflight(&self) {
+        let before = self
+            .inflight
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                Some(n.saturating_sub(1))
+            })
+            .unwrap_or(0);
+        self.inflight_gauge.set(before.saturating_sub(1) as f64);
+    }
+
+    fn waiters(&self) -> &Arc<Waiters> {
+        &self.waiters
+    }
+
+    /// Healthy by the poller and not passively ejected: may be given a request now.
+    pub fn schedulable(&self) -> bool {
+        self.state.load().healthy
+            && self.passive.admission(tokio::time::Instant::now()) != Admission::Closed
     }
 }
 
@@ -207,12 +244,12 @@ impl Backend {
 pub struct Pool {
     backends: Vec<Arc<Backend>>,
     stale_after: Duration,
-    freed: Arc<tokio::sync::Notify>,
+    waiters: Arc<Waiters>,
 }
 
 impl Pool {
     pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
-        let freed = Arc::new(tokio::sync::Notify::new());
+        let waiters = Arc::new(Waiters::default());
         let backends = config
             .backends
             .iter()
@@ -224,13 +261,13 @@ impl Pool {
                         format!("unknown engine `{}`", b.engine),
                     )
                 })?;
-                Backend::new(i, b, engine, Arc::clone(&freed)).map(Arc::new)
+                Backend::new(i, b, engine, Arc::clone(&waiters)).map(Arc::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Pool {
             backends,
             stale_after: config.poller.stale_after(),
-            freed,
+            waiters,
         })
     }
 
@@ -242,9 +279,70 @@ impl Pool {
         self.stale_after
     }
 
-    /// Notified whenever any backend's in-flight count drops.
-    pub fn capacity_freed(&self) -> &tokio::sync::Notify {
-        &self.freed
+    /// Requests waiting for an in-flight slot.
+    pub fn waiters(&self) -> &Arc<Waiters> {
+        &self.waiters
+    }
+
+    /// A request to `backend` failed in a way that is the backend's fault. Ejects it when its
+    /// failure streak reaches the threshold, unless that would take out more than
+    /// `max_ejection_percent` of the fleet (at least one backend may always go) or the last
+    /// healthy backend of one of its models. Returns true when it was ejected.
+    pub fn report_failure(&self, backend: &Backend, cfg: &OutlierConfig) -> bool {
+        let ejected = backend
+            .passive
+            .record_failure(cfg, tokio::time::Instant::now(), || {
+                self.may_eject(backend, cfg)
+            });
+        if ejected {
+            tracing::warn!(backend = %backend.name, "backend ejected after consecutive failures");
+            metrics::counter!(t::BACKEND_EJECTIONS, "backend" => backend.name.clone()).increment(1);
+            metrics::gauge!(t::BACKEND_EJECTED, "backend" => backend.name.clone()).set(1.0);
+        }
+        ejected
+    }
+
+    /// A request to `backend` got a good answer.
+    pub fn report_success(&self, backend: &Backend) {
+        if backend.passive.record_success() {
+            tracing::info!(backend = %backend.name, "probe succeeded; backend back in full service");
+            metrics::gauge!(t::BACKEND_EJECTED, "backend" => backend.name.clone()).set(0.0);
+        }
+    }
+
+    fn may_eject(&self, backend: &Backend, cfg: &OutlierConfig) -> bool {
+        let n = self.backends.len();
+        let out = self.backends.iter().filter(|b| b.passive.is_out()).count();
+        let cap = (n.saturating_mul(cfg.max_ejection_percent as usize) / 100).max(1);
+        if out >= cap {
+            tracing::warn!(backend = %backend.name, out, cap, "not ejecting: the fleet's ejection cap is reached");
+            return false;
+        }
+        let others: Vec<Arc<BackendState>> = self
+            .backends
+            .iter()
+            .filter(|b| b.id != backend.id && !b.passive.is_out())
+            .map(|b| b.state())
+            .filter(|s| s.healthy)
+            .collect();
+        let state = backend.state();
+        let covered = if state.models.is_empty() {
+            !others.is_empty()
+        } else {
+            state
+                .models
+                .iter()
+                .all(|m| others.iter().any(|o| o.serves(&m.id)))
+        };
+        if !covered {
+            tracing::warn!(backend = %backend.name, "not ejecting: it is the last healthy backend of a model it serves");
+        }
+        covered
+    }
+
+    /// Some backend lists `model` in its `/v1/models` (or config).
+    pub fn lists_model(&self, model: &str) -> bool {
+        self.backends.iter().any(|b| b.state.load().serves(model))
     }
 
     pub fn any_healthy(&self) -> bool {
@@ -253,6 +351,7 @@ impl Pool {
 
     /// Candidates for one scheduling decision, with their states read once.
     pub fn candidates(&self, now: Instant) -> Vec<Candidate<'_>> {
+        let clock = tokio::time::Instant::now();
         self.backends
             .iter()
             .map(|backend| {
@@ -266,7 +365,7 @@ impl Pool {
                     inflight: backend.inflight(),
                     state,
                     fresh,
-                    ejected: backend.passive.is_ejected(),
+                    ejected: backend.passive.admission(clock) == Admission::Closed,
                 }
             })
             .collect()
@@ -281,7 +380,8 @@ pub struct Candidate<'a> {
     /// The router's own in-flight count at decision time.
     pub inflight: u64,
     fresh: bool,
-    /// Passively ejected by outlier detection at decision time.
+    /// Passively ejected by outlier detection at decision time (or on probation with its one
+    /// probe request already in flight).
     pub ejected: bool,
 }
 
@@ -322,6 +422,7 @@ pub(crate) mod test_support {
 
     /// `n` backends with ids 0..n on made-up ports.
     pub fn backends(n: usize) -> Vec<Arc<Backend>> {
+        let waiters = Arc::new(Waiters::default());
         (0..n)
             .map(|i| {
                 let cfg = BackendConfig::from_url(format!("http://127.0.0.1:{}", 10_000 + i));
@@ -330,12 +431,23 @@ pub(crate) mod test_support {
                         i,
                         &cfg,
                         EngineMetricNames::builtin("vllm").unwrap(),
-                        Default::default(),
+                        Arc::clone(&waiters),
                     )
                     .unwrap(),
                 )
             })
             .collect()
+    }
+
+    /// Like [`backends`], published healthy.
+    pub fn healthy_backends(n: usize) -> Vec<Arc<Backend>> {
+        let list = backends(n);
+        for b in &list {
+            let mut state = (*b.state()).clone();
+            state.healthy = true;
+            b.publish(state);
+        }
+        list
     }
 
     pub fn load(waiting: Option<f64>, kv: Option<f64>) -> LoadMetrics {

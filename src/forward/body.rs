@@ -12,6 +12,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -22,7 +24,6 @@ use tokio::time::{Instant, Sleep};
 
 use super::pool::Lease;
 use crate::error::openai_error_body;
-use crate::scheduling::framework::Outcome;
 use crate::scheduling::InflightGuard;
 use crate::telemetry as t;
 
@@ -33,6 +34,22 @@ type InnerPoll = Option<Result<Frame<Bytes>, BoxError>>;
 /// many bytes: one write to the client instead of one per chunk, and no added latency, since
 /// only what has already arrived is joined.
 const COALESCE_MAX: usize = 64 * 1024;
+
+/// Set by the scheduling layer on an answer it will not return to the client (it retries
+/// elsewhere): the body's end or drop is then neither a finished request nor a client
+/// disconnect.
+#[derive(Debug, Clone, Default)]
+pub struct Discard(Arc<AtomicBool>);
+
+impl Discard {
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 /// Time limits of one response body.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +82,7 @@ pub struct GuardedBody {
     active: bool,
     /// Set once the final error event has been sent; the next poll ends the stream.
     closed: bool,
+    discarded: Discard,
 }
 
 impl GuardedBody {
@@ -93,6 +111,7 @@ impl GuardedBody {
             timer,
             active: false,
             closed: false,
+            discarded: Discard::default(),
         };
         // An empty body (204, `Content-Length: 0`) is complete already, and a server does not
         // poll a body that says so: settle it here, or it would count as abandoned.
@@ -100,6 +119,11 @@ impl GuardedBody {
             body.settle();
         }
         body
+    }
+
+    /// The marker that tells this body it is a refused attempt being discarded.
+    pub fn discard_marker(&self) -> Discard {
+        self.discarded.clone()
     }
 
     /// Drive the connection, then take the next frame of the backend's body.
@@ -142,15 +166,9 @@ impl GuardedBody {
         joined.map_or(first, BytesMut::freeze)
     }
 
-    /// The body ended as the backend meant it to: record the outcome (an error status is a
-    /// failure) and hand the connection back.
+    /// The body ended as the backend meant it to: record it and hand the connection back.
     fn settle(&mut self) {
-        let outcome = if self.error_status {
-            Outcome::Failed
-        } else {
-            Outcome::Success
-        };
-        self.finish(outcome);
+        self.finish();
         self.release_connection();
     }
 
@@ -161,12 +179,15 @@ impl GuardedBody {
         }
     }
 
-    fn finish(&mut self, outcome: Outcome) {
-        if let Some(mut guard) = self.guard.take() {
-            let elapsed = self.received_at.elapsed().as_secs_f64();
-            metrics::histogram!(t::REQUEST_DURATION, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
-                .record(elapsed);
-            guard.set_outcome(outcome);
+    /// The response is over: record its duration (unless it was a refused attempt) and free
+    /// the backend's in-flight slot.
+    fn finish(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            if !self.discarded.is_set() {
+                let elapsed = self.received_at.elapsed().as_secs_f64();
+                metrics::histogram!(t::REQUEST_DURATION, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
+                    .record(elapsed);
+            }
         }
     }
 
@@ -200,7 +221,7 @@ impl GuardedBody {
             metrics::counter!(t::STREAMS_INTERRUPTED, "backend" => guard.backend().name.clone())
                 .increment(1);
         }
-        self.finish(Outcome::Failed);
+        self.finish();
         self.closed = true;
         if self.sse {
             let body =
@@ -311,9 +332,11 @@ impl Body for GuardedBody {
 impl Drop for GuardedBody {
     fn drop(&mut self) {
         if let Some(guard) = &self.guard {
-            metrics::counter!(t::CLIENT_DISCONNECTS, "backend" => guard.backend().name.clone())
-                .increment(1);
-            self.finish(Outcome::Cancelled);
+            if !self.discarded.is_set() {
+                metrics::counter!(t::CLIENT_DISCONNECTS, "backend" => guard.backend().name.clone())
+                    .increment(1);
+            }
+            self.finish();
         }
     }
 }

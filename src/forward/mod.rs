@@ -22,10 +22,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::Full;
 
 use crate::config::{ForwardConfig, OutlierConfig};
-use crate::endpoints::Backend;
+use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
 use crate::prompt::RequestView;
-use crate::scheduling::framework::Outcome;
 use crate::scheduling::InflightGuard;
 use crate::telemetry as t;
 use pool::{ConnPool, Lease};
@@ -60,10 +59,17 @@ pub struct Forwarder {
     forward_client_authorization: bool,
     backend_header: HeaderName,
     outlier: OutlierConfig,
+    /// For passive health: failures are reported to the pool, which applies the fleet cap.
+    backends: Arc<Pool>,
 }
 
 impl Forwarder {
-    pub fn new(cfg: &ForwardConfig, outlier: &OutlierConfig, backend_header: HeaderName) -> Self {
+    pub fn new(
+        cfg: &ForwardConfig,
+        outlier: &OutlierConfig,
+        backend_header: HeaderName,
+        backends: Arc<Pool>,
+    ) -> Self {
         let pool = Arc::new(ConnPool::new(
             cfg.pool_max_idle_per_backend,
             Duration::from_millis(cfg.pool_idle_timeout_ms),
@@ -78,6 +84,7 @@ impl Forwarder {
             forward_client_authorization: cfg.forward_client_authorization,
             backend_header,
             outlier: outlier.clone(),
+            backends,
         }
     }
 
@@ -127,9 +134,17 @@ impl tower::Service<Dispatch> for Forwarder {
             let deadline = this
                 .request_timeout
                 .map(|t| tokio::time::Instant::from_std(d.request.received_at + t));
-            let headers_by = {
-                let by = tokio::time::Instant::now() + this.response_timeout;
-                deadline.map_or(by, |end| end.min(by))
+            let response_by = tokio::time::Instant::now() + this.response_timeout;
+            // Whichever limit comes first bounds the wait for the head, and is named if it fires.
+            let (headers_by, limit, limit_ms) = match (deadline, this.request_timeout) {
+                (Some(end), Some(total)) if end < response_by => {
+                    (end, "forward.request_timeout_ms", total.as_millis() as u64)
+                }
+                _ => (
+                    response_by,
+                    "forward.response_timeout_ms",
+                    this.response_timeout.as_millis() as u64,
+                ),
             };
             let exchange = async {
                 let (mut conn, reused) = this
@@ -151,24 +166,21 @@ impl tower::Service<Dispatch> for Forwarder {
             let Dispatch {
                 request: original,
                 backend,
-                mut guard,
+                guard,
             } = d;
             let (conn, response) = match sent {
                 Err(_) => {
                     attempt_failed(&backend, "timeout");
-                    backend.passive().record_failure(&this.outlier);
-                    guard.set_outcome(Outcome::Failed);
+                    this.backends.report_failure(&backend, &this.outlier);
                     return Err(Error::UpstreamTimeout {
                         backend: backend.name.clone(),
-                        timeout_ms: this.response_timeout.as_millis() as u64,
+                        timeout_ms: limit_ms,
+                        limit,
                     });
                 }
                 Ok(Err(e)) => {
                     attempt_failed(&backend, if e.is_connect() { "connect" } else { "io" });
-                    if backend.passive().record_failure(&this.outlier) {
-                        tracing::warn!(backend = %backend.name, "backend ejected after consecutive failures");
-                    }
-                    guard.set_outcome(Outcome::Failed);
+                    this.backends.report_failure(&backend, &this.outlier);
                     let reason = std::error::Error::source(&e)
                         .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
                     return Err(Error::Upstream {
@@ -179,12 +191,10 @@ impl tower::Service<Dispatch> for Forwarder {
                 Ok(Ok(exchanged)) => exchanged,
             };
             let (mut parts, incoming) = response.into_parts();
-            if parts.status.is_server_error() {
-                if backend.passive().record_failure(&this.outlier) {
-                    tracing::warn!(backend = %backend.name, "backend ejected after consecutive failures");
-                }
-            } else {
-                backend.passive().record_success();
+            // A 5xx is counted by the scheduling layer once the request is over (it may be
+            // the request's fault, not the backend's); anything else is a success here.
+            if !parts.status.is_server_error() {
+                this.backends.report_success(&backend);
             }
             metrics::counter!(
                 t::UPSTREAM_RESPONSES,
@@ -223,7 +233,37 @@ impl tower::Service<Dispatch> for Forwarder {
                 sse,
                 limits,
             );
-            Ok(Response::from_parts(parts, Body::new(body)))
+            let discarded = body.discard_marker();
+            let mut response = Response::from_parts(parts, Body::new(body));
+            if error_status || response.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                response.extensions_mut().insert(discarded);
+            }
+            Ok(response)
         })
     }
+}
+
+/// Read an answer the scheduler will not return (it retries elsewhere) to its end by `by`, so
+/// its keep-alive connection goes back to the pool. A body larger than 64 KiB or slower than
+/// that is dropped instead, which closes its connection. Either way the attempt is not
+/// counted as a client disconnect.
+pub async fn discard(response: Response<Body>, by: tokio::time::Instant) {
+    use http_body_util::BodyExt;
+    const MAX: usize = 64 * 1024;
+    if let Some(marker) = response.extensions().get::<body::Discard>() {
+        marker.set();
+    }
+    let mut body = response.into_body();
+    let drain = async {
+        let mut read = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Some(data) = frame.data_ref() {
+                read = read.saturating_add(data.len());
+                if read > MAX {
+                    break;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout_at(by, drain).await;
 }

@@ -23,6 +23,7 @@ pub mod auth;
 pub mod serve;
 
 use crate::config::Config;
+use crate::endpoints::passive::Status;
 use crate::endpoints::Pool;
 use crate::error::Error;
 use crate::forward::{Forwarder, ProxyRequest};
@@ -36,7 +37,6 @@ pub struct AppState {
     pub pool: Arc<Pool>,
     pub service: SchedulerService<Forwarder>,
     pub metrics: Option<PrometheusHandle>,
-    pub session_header: header::HeaderName,
     pub backend_header: header::HeaderName,
     pub auth: Arc<auth::Auth>,
 }
@@ -100,10 +100,10 @@ async fn other(State(app): State<Arc<AppState>>, req: Request) -> Response {
 /// Counts every client request exactly once, with its final status.
 async fn proxy(app: Arc<AppState>, operation: Operation, req: Request) -> Response {
     let received_at = Instant::now();
-    // Filled once the model is known to be served, so client-chosen names never become labels.
+    // Filled only with a model some backend lists, so client-chosen names never become labels.
     let mut model: Option<String> = None;
     let result = forward(&app, operation, req, received_at, &mut model).await;
-    let model = model.unwrap_or_else(|| "unknown".into());
+    let model = model.unwrap_or_else(|| t::OTHER_MODEL.into());
     match result {
         Ok(response) => {
             let backend = response
@@ -151,12 +151,7 @@ async fn forward(
             server.max_json_depth
         )));
     }
-    let session = parts
-        .headers
-        .get(&app.session_header)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    let view = RequestView::parse(operation, &body)?.with_session(session);
+    let view = RequestView::parse(operation, &body)?;
     let request_id = parts
         .headers
         .get("x-request-id")
@@ -172,6 +167,8 @@ async fn forward(
             "the path must not contain `.` or `..` segments".into(),
         ));
     }
+    // Only a model some backend lists may become a label; anything else is `other`.
+    *model_label = view.model.clone().filter(|m| app.pool.lists_model(m));
     let request = ProxyRequest {
         method: parts.method,
         path_and_query,
@@ -181,12 +178,7 @@ async fn forward(
         request_id,
         received_at,
     };
-    let model = request.view.model.clone();
-    let result = app.service.clone().oneshot(request).await;
-    if !matches!(result, Err(Error::ModelNotFound(_))) {
-        *model_label = model;
-    }
-    result
+    app.service.clone().oneshot(request).await
 }
 
 /// `.` or `..` path segments, raw or percent-encoded: a backend that normalises them could be
@@ -273,6 +265,7 @@ async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
 /// `GET /admin/backends`: what the router believes about each backend right now.
 async fn backends(State(app): State<Arc<AppState>>) -> Response {
     let now = Instant::now();
+    let clock = tokio::time::Instant::now();
     let list: Vec<_> = app
         .pool
         .backends()
@@ -290,9 +283,22 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "running_lora_adapters": m.running_loras,
                 })
             });
+            let passive = match b.passive().status(clock) {
+                Status::Serving => serde_json::json!({"state": "serving"}),
+                Status::Ejected { remaining } => serde_json::json!({
+                    "state": "ejected",
+                    "remaining_ms": remaining.as_millis() as u64,
+                }),
+                Status::Probation { probe_in_flight } => serde_json::json!({
+                    "state": "probation",
+                    "probe_in_flight": probe_in_flight,
+                }),
+            };
             serde_json::json!({
                 "url": b.name,
                 "healthy": s.healthy,
+                "outlier": passive,
+                "ejections": b.passive().total_ejections(),
                 "inflight": b.inflight(),
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,
@@ -302,7 +308,12 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
             })
         })
         .collect();
-    Json(serde_json::json!({ "backends": list })).into_response()
+    Json(serde_json::json!({
+        "backends": list,
+        "queued": app.service.queued(),
+        "waiting_for_slot": app.pool.waiters().len(),
+    }))
+    .into_response()
 }
 
 async fn not_found(req: Request) -> Response {

@@ -66,9 +66,6 @@ pub struct RequestView {
     pub operation: Operation,
     pub model: Option<String>,
     pub stream: bool,
-    pub user: Option<String>,
-    /// Value of the configured session header, when the client sent one.
-    pub session: Option<String>,
     /// The rendered prompt, `None` where the operation has no prompt.
     pub routing_text: Option<String>,
 }
@@ -88,12 +85,6 @@ impl RequestView {
             Operation::Other => parse_other(body),
         }
     }
-
-    /// Attach the session id read from a header.
-    pub fn with_session(mut self, session: Option<String>) -> Self {
-        self.session = session;
-        self
-    }
 }
 
 fn invalid(err: serde_json::Error) -> Error {
@@ -108,8 +99,9 @@ struct ChatBody<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(default)]
     stream: Option<bool>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
+    /// Type-checked only (a string), like vLLM does; not used for routing.
+    #[serde(borrow, default, rename = "user")]
+    _user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
 }
@@ -188,8 +180,6 @@ fn parse_chat(body: &[u8]) -> Result<RequestView, Error> {
         operation: Operation::ChatCompletions,
         model: chat.model.map(Cow::into_owned),
         stream: chat.stream.unwrap_or(false),
-        user: chat.user.map(Cow::into_owned),
-        session: None,
         routing_text: Some(text),
     })
 }
@@ -214,8 +204,9 @@ struct CompletionBody<'a> {
     prompt: Option<Prompt<'a>>,
     #[serde(default)]
     stream: Option<bool>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
+    /// Type-checked only (a string); not used for routing.
+    #[serde(borrow, default, rename = "user")]
+    _user: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -270,8 +261,6 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         operation: Operation::Completions,
         model: req.model.map(Cow::into_owned),
         stream: req.stream.unwrap_or(false),
-        user: req.user.map(Cow::into_owned),
-        session: None,
         routing_text: Some(text),
     })
 }
@@ -280,26 +269,22 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
 struct OtherBody<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
+    /// Type-checked only (a string); not used for routing.
+    #[serde(borrow, default, rename = "user")]
+    _user: Option<Cow<'a, str>>,
 }
 
 fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
-    let (model, user) = if body.iter().all(u8::is_ascii_whitespace) {
-        (None, None)
+    let model = if body.iter().all(u8::is_ascii_whitespace) {
+        None
     } else {
         let req: OtherBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-        (
-            req.model.map(Cow::into_owned),
-            req.user.map(Cow::into_owned),
-        )
+        req.model.map(Cow::into_owned)
     };
     Ok(RequestView {
         operation: Operation::Other,
         model,
         stream: false,
-        user,
-        session: None,
         routing_text: None,
     })
 }

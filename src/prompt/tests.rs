@@ -21,7 +21,6 @@ fn chat_string_content_in_order() {
     .unwrap();
     assert_eq!(v.model.as_deref(), Some("m"));
     assert!(v.stream);
-    assert_eq!(v.user.as_deref(), Some("u1"));
     assert_eq!(
         v.routing_text.as_deref(),
         Some("system\nBe brief.\n\nuser:bob\nHi\n\n")

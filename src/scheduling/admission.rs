@@ -2,9 +2,10 @@
 //! budget, and a body wrapper that holds a permit until the response ends.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -12,14 +13,16 @@ use http::Response;
 use http_body::{Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tower::retry::budget::{Budget, TpsBudget};
 
 use crate::error::Error;
+use crate::telemetry as t;
 
 /// Counts requests waiting for capacity, so the queue stays bounded.
-#[derive(Debug)]
 pub struct Queue {
     waiting: AtomicUsize,
     max: usize,
+    gauge: metrics::Gauge,
 }
 
 /// A place in the queue; leaving it (drop) frees the place.
@@ -27,7 +30,8 @@ pub struct QueueSlot<'a>(&'a Queue);
 
 impl Drop for QueueSlot<'_> {
     fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+        let before = self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.0.gauge.set(before.saturating_sub(1) as f64);
     }
 }
 
@@ -36,12 +40,14 @@ impl Queue {
         Queue {
             waiting: AtomicUsize::new(0),
             max,
+            gauge: metrics::gauge!(t::REQUESTS_QUEUED),
         }
     }
 
     /// Join the queue, or 429 at once when it is full.
     pub fn join(&self) -> Result<QueueSlot<'_>, Error> {
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
+        self.gauge.set(before.saturating_add(1) as f64);
         let slot = QueueSlot(self);
         if before >= self.max {
             return Err(Error::TooManyRequests {
@@ -78,44 +84,41 @@ pub async fn acquire(
     }
 }
 
-/// Retries allowed as a share of traffic: each request deposits `ratio` of a retry, each retry
-/// withdraws one. Starts with (and refills to at least) `min` retries of reserve.
-#[derive(Debug)]
-pub struct RetryBudget {
-    /// In thousandths of a retry.
-    balance: AtomicI64,
-    deposit: i64,
-    cap: i64,
+/// Retries allowed as a share of recent traffic: tower's windowed token bucket (`TpsBudget`).
+/// Each request deposits, each retry withdraws; deposits expire after the window, so a burst
+/// of old successes cannot fund a retry storm later. `min_per_sec` retries per second are
+/// always allowed on top.
+pub struct RetryBudget(TpsBudget);
+
+impl std::fmt::Debug for RetryBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
 }
 
 impl RetryBudget {
-    pub fn new(ratio: f64, min: u32) -> Self {
-        let reserve = i64::from(min) * 1000;
-        RetryBudget {
-            balance: AtomicI64::new(reserve),
-            deposit: (ratio * 1000.0).round() as i64,
-            cap: reserve.max(1000) + 100_000,
-        }
+    /// `window` is clamped to 1..60 s and `ratio` to 0..1 (config validation refuses values
+    /// outside them first).
+    pub fn new(ratio: f64, min_per_sec: u32, window: Duration) -> Self {
+        let window = window.clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let ratio = if ratio.is_finite() {
+            ratio.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        RetryBudget(TpsBudget::new(
+            window,
+            min_per_sec.min(1_000_000),
+            ratio as f32,
+        ))
     }
 
     pub fn deposit(&self) {
-        let _ = self
-            .balance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                Some((b + self.deposit).min(self.cap))
-            });
-    }
-
-    pub fn available(&self) -> bool {
-        self.balance.load(Ordering::Relaxed) >= 1000
+        self.0.deposit();
     }
 
     pub fn withdraw(&self) -> bool {
-        self.balance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b >= 1000).then_some(b - 1000)
-            })
-            .is_ok()
+        self.0.withdraw()
     }
 }
 
@@ -156,17 +159,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn budget_limits_retries_to_ratio_after_reserve() {
-        let b = RetryBudget::new(0.2, 2);
-        assert!(b.withdraw() && b.withdraw());
-        assert!(!b.withdraw(), "reserve spent");
+    fn budget_allows_the_ratio_of_recent_requests_plus_the_minimum() {
+        let b = RetryBudget::new(0.2, 0, Duration::from_secs(10));
+        assert!(!b.withdraw(), "no traffic, no minimum: no retry");
         for _ in 0..4 {
             b.deposit();
         }
-        assert!(!b.available(), "4 × 0.2 < 1");
+        assert!(!b.withdraw(), "4 × 0.2 < 1");
         b.deposit();
         assert!(b.withdraw(), "5 requests earn one retry");
         assert!(!b.withdraw());
+        let m = RetryBudget::new(0.0, 1, Duration::from_secs(2));
+        assert!(
+            m.withdraw() && m.withdraw(),
+            "1 per second over a 2 s window"
+        );
+        assert!(!m.withdraw());
     }
 
     #[test]

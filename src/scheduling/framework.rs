@@ -12,28 +12,61 @@ use std::sync::Arc;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
 
-/// What a scorer is about; reported in logs and used to reason about profiles.
+/// A backend signal a scorer reads, checked against each engine's metric names when a
+/// profile is built: a scorer reading a signal some backend's engine does not report is a
+/// loud start-up warning (those backends score as "unknown").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Category {
-    /// Prefers backends that already hold the request's state (prefix cache, session).
-    Affinity,
-    /// Spreads load (queue, KV usage, in-flight).
-    Distribution,
+pub enum Signal {
+    /// Requests waiting in the engine's queue.
+    Waiting,
+    /// Requests in the engine's running batch.
+    Running,
+    /// KV-cache usage.
+    KvUsage,
+    /// KV-cache geometry (block size, number of blocks).
+    CacheConfig,
+    /// LoRA adapters running and waiting.
+    Lora,
 }
 
-/// How a request ended, for `on_complete` hooks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The response body ended normally.
-    Success,
-    /// The backend failed or answered with an error status.
-    Failed,
-    /// The client went away before the body ended.
-    Cancelled,
+impl Signal {
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Waiting => "waiting",
+            Signal::Running => "running",
+            Signal::KvUsage => "kv_usage",
+            Signal::CacheConfig => "cache_config",
+            Signal::Lora => "lora",
+        }
+    }
+
+    /// Does an engine with these metric names report the signal?
+    pub fn reported_by(self, engine: &crate::endpoints::engine::EngineMetricNames) -> bool {
+        match self {
+            Signal::Waiting => !engine.waiting.is_empty(),
+            Signal::Running => !engine.running.is_empty(),
+            Signal::KvUsage => !engine.kv_usage.is_empty(),
+            Signal::CacheConfig => engine.cache_config.is_some(),
+            Signal::Lora => engine.lora.is_some(),
+        }
+    }
 }
 
-/// Per-decision scratch space where plugins leave data for their own later hooks
-/// (the prefix scorer keeps the request's block hashes here between scoring and recording).
+/// Why a filter left no candidate: the filter that emptied the list says it, so the scheduler
+/// never has to guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// Nobody may serve the request now (health, policy): fail at once.
+    Unavailable,
+    /// No candidate serves the requested model.
+    ModelNotServed,
+    /// Eligible backends exist but every one is at its in-flight limit: wait for a slot.
+    AtCapacity,
+}
+
+/// Per-request scratch space where plugins leave data for their own later use. It lives as
+/// long as the request, across every decision made for it (retries, waits for capacity), so
+/// work such as the prefix scorer's block hashes is done once per request.
 #[derive(Default)]
 pub struct CycleState {
     entries: Vec<(Arc<str>, Box<dyn Any + Send + Sync>)>,
@@ -50,6 +83,16 @@ impl CycleState {
         } else {
             self.entries.push((Arc::clone(key), Box::new(value)));
         }
+    }
+
+    /// Remove and return the entry under `key` (to be put back, updated).
+    pub fn take<T: Any>(&mut self, key: &str) -> Option<T> {
+        let i = self
+            .entries
+            .iter()
+            .position(|(k, v)| &**k == key && v.is::<T>())?;
+        let (_, value) = self.entries.swap_remove(i);
+        value.downcast::<T>().ok().map(|b| *b)
     }
 
     pub fn get<T: Any>(&self, key: &str) -> Option<&T> {
@@ -74,24 +117,38 @@ pub trait Plugin: Send + Sync {
     fn type_name(&self) -> &'static str;
     /// The instance name from config (defaults to the type name).
     fn name(&self) -> &str;
-    /// Called once the profile has picked `backend` for `request`.
+    /// Called when `request` is sent to `backend` (once per attempt actually made; a pick
+    /// that is not sent, e.g. because the retry budget is spent, is not reported).
     fn after_pick(&self, _request: &RequestView, _state: &CycleState, _backend: &Backend) {}
-    /// Called when the response to `request` has ended, one way or another.
-    fn on_complete(&self, _request: &RequestView, _backend: &Backend, _outcome: Outcome) {}
 }
 
 /// Removes candidates that must not serve the request. A filter that would remove every
 /// candidate for a soft reason (load) should keep them all instead; hard reasons (health,
-/// model) may empty the list, which the scheduler reports as an error.
+/// model, a concurrency limit) may empty the list, and then [`Filter::when_empty`] says what
+/// that means.
 pub trait Filter: Plugin {
     fn filter(&self, request: &RequestView, candidates: &mut Vec<Candidate<'_>>);
+    /// What an empty list after this filter means. Filters with a [`Filter::capacity`] mean
+    /// [`Rejection::AtCapacity`]; the default is [`Rejection::Unavailable`].
+    fn when_empty(&self) -> Rejection {
+        if self.capacity().is_some() {
+            Rejection::AtCapacity
+        } else {
+            Rejection::Unavailable
+        }
+    }
+    /// The per-backend in-flight limit this filter enforces, if any. The scheduler reserves
+    /// the picked backend's slot atomically under the smallest such limit of the profile, so
+    /// concurrent decisions cannot all pass a limit read moments earlier.
+    fn capacity(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Gives each candidate a score, ideally in [0, 1] (the profile clamps it anyway).
 pub trait Scorer: Plugin {
-    fn category(&self) -> Category;
-    /// Names of the backend signals the scorer reads, for docs and debugging.
-    fn consumes(&self) -> &'static [&'static str] {
+    /// The backend signals the scorer reads (checked against each engine at start-up).
+    fn consumes(&self) -> &'static [Signal] {
         &[]
     }
     /// Write one score per candidate into `scores` (same length and order as `candidates`).

@@ -1,11 +1,14 @@
 //! The tower layer that puts scheduling in front of a forwarding service.
 //!
 //! For each request it: takes a router-wide in-flight permit (when `limits.max_inflight` is
-//! set, queueing FIFO up to `queue_timeout`); asks the [`Scheduler`] for a backend, waiting
-//! for capacity when every eligible backend is at its per-backend limit; dispatches; and, when
-//! the attempt failed before any byte reached the client (connection refused or reset, or a
-//! 5xx/429 answer), retries on another backend after a jittered backoff — as long as
-//! `max_attempts` and the retry budget allow. Once a response is returned nothing is retried.
+//! set, queueing FIFO up to `queue_timeout`); asks the [`Scheduler`] for a backend and its
+//! in-flight slot, waiting for a slot when every eligible backend is at its per-backend limit;
+//! dispatches; and, when the attempt failed before any byte reached the client (connection
+//! refused or reset, or a 5xx/429 answer), retries on another backend after a jittered
+//! backoff — as long as `max_attempts` and the windowed retry budget allow. A refused answer
+//! is read to its end during the backoff so its connection is reused. Once a response is
+//! returned nothing is retried. 5xx answers count towards passive ejection when the request
+//! is over, and only if a single backend gave them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,11 +23,13 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
 use super::admission::{acquire, hold, Queue, RetryBudget};
-use super::{InflightGuard, Scheduler};
-use crate::config::{ForwardConfig, LimitsConfig};
+use super::framework::CycleState;
+use super::{InflightGuard, Refused, Scheduler};
+use crate::config::{ForwardConfig, LimitsConfig, OutlierConfig};
+use crate::endpoints::capacity::Registration;
 use crate::endpoints::Backend;
 use crate::error::Error;
-use crate::forward::{Dispatch, ProxyRequest};
+use crate::forward::{discard, Dispatch, ProxyRequest};
 
 /// When and how often to try another backend.
 #[derive(Debug, Clone)]
@@ -69,6 +74,7 @@ struct Shared {
     scheduler: Arc<Scheduler>,
     retry: RetryPolicy,
     budget: RetryBudget,
+    outlier: OutlierConfig,
     admission: Option<Arc<Semaphore>>,
     queue: Queue,
     queue_timeout: Duration,
@@ -80,12 +86,22 @@ pub struct SchedulerLayer {
 }
 
 impl SchedulerLayer {
-    pub fn new(scheduler: Arc<Scheduler>, forward: &ForwardConfig, limits: &LimitsConfig) -> Self {
+    pub fn new(
+        scheduler: Arc<Scheduler>,
+        forward: &ForwardConfig,
+        limits: &LimitsConfig,
+        outlier: &OutlierConfig,
+    ) -> Self {
         SchedulerLayer {
             shared: Arc::new(Shared {
                 scheduler,
                 retry: RetryPolicy::from_config(forward),
-                budget: RetryBudget::new(forward.retry_budget_ratio, forward.retry_budget_min),
+                budget: RetryBudget::new(
+                    forward.retry_budget_ratio,
+                    forward.retry_budget_min_per_sec,
+                    Duration::from_millis(forward.retry_budget_window_ms),
+                ),
+                outlier: outlier.clone(),
                 admission: (limits.max_inflight > 0)
                     .then(|| Arc::new(Semaphore::new(limits.max_inflight))),
                 queue: Queue::new(limits.max_queued),
@@ -113,39 +129,85 @@ pub struct SchedulerService<S> {
     shared: Arc<Shared>,
 }
 
+impl<S> SchedulerService<S> {
+    /// Requests waiting in the router's queue now.
+    pub fn queued(&self) -> usize {
+        self.shared.queue.waiting()
+    }
+}
+
 impl Shared {
-    /// Schedule, waiting (bounded) while every eligible backend is at its in-flight limit.
+    /// Schedule, waiting (bounded) for a slot while every eligible backend is at its in-flight
+    /// limit. A freed slot is handed to exactly one waiter, the oldest that may use it.
     async fn schedule(
         &self,
         request: &ProxyRequest,
+        state: &mut CycleState,
         exclude: &[usize],
         deadline: Instant,
-    ) -> Result<Arc<Backend>, Error> {
-        let freed = self.scheduler.pool().capacity_freed();
-        let mut slot = None;
+    ) -> Result<InflightGuard, Error> {
+        let mut place = None;
         loop {
-            // Register for the wake-up before looking, so a release in between is not lost.
-            let notified = freed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             let started = std::time::Instant::now();
-            let picked = self.scheduler.schedule(&request.view, exclude);
+            let picked = self.scheduler.schedule(&request.view, state, exclude);
             metrics::histogram!(crate::telemetry::SCHEDULING_DURATION)
                 .record(started.elapsed().as_secs_f64());
-            match picked {
-                Err(Error::Saturated) => {
-                    if slot.is_none() {
-                        slot = Some(self.queue.join()?);
-                    }
-                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                        return Err(Error::TooManyRequests {
-                            reason: "every eligible backend is at its concurrency limit".into(),
-                            retry_after_secs: 1,
-                        });
+            let (eligible, limit) = match picked {
+                Ok(guard) => return Ok(guard),
+                Err(Refused::Failed(e)) => return Err(e),
+                Err(Refused::AtCapacity { eligible, limit }) => (eligible, limit),
+            };
+            if place.is_none() {
+                place = Some((self.queue.join()?, Instant::now()));
+            }
+            let waited = |place: &Option<(_, Instant)>| {
+                if let Some((_, since)) = place {
+                    metrics::histogram!(crate::telemetry::QUEUE_WAIT)
+                        .record(since.elapsed().as_secs_f64());
+                }
+            };
+            match self.scheduler.pool().waiters().register(&eligible, limit) {
+                // A slot freed up meanwhile: decide again (yield first, so a busy fleet
+                // cannot keep this task from letting others run).
+                Registration::Retry => tokio::task::yield_now().await,
+                Registration::Waiting(mut wait) => {
+                    match tokio::time::timeout_at(deadline, wait.slot()).await {
+                        Ok(Some(slot)) => {
+                            waited(&place);
+                            return Ok(self.scheduler.guard(slot, &request.view));
+                        }
+                        Ok(None) => {
+                            return Err(Error::Internal("the capacity queue went away".into()))
+                        }
+                        Err(_) => {
+                            waited(&place);
+                            return Err(Error::TooManyRequests {
+                                reason: "every eligible backend is at its concurrency limit".into(),
+                                retry_after_secs: 1,
+                            });
+                        }
                     }
                 }
-                other => return other,
             }
+        }
+    }
+
+    /// The request is over: count its 5xx answers against the backends that gave them —
+    /// unless two or more backends answered 5xx to it, which says more about the request
+    /// (a poison request) than about them.
+    fn settle_failures(&self, five_xx: &[Arc<Backend>]) {
+        let mut distinct: Vec<usize> = five_xx.iter().map(|b| b.id).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() >= 2 {
+            tracing::warn!(
+                backends = distinct.len(),
+                "several backends answered 5xx to one request; not counted against any"
+            );
+            return;
+        }
+        for backend in five_xx {
+            self.scheduler.pool().report_failure(backend, &self.outlier);
         }
     }
 }
@@ -174,31 +236,42 @@ where
             };
             s.budget.deposit();
             let request = Arc::new(request);
+            // The request's own plugin state, kept across retries and waits (block hashes are
+            // computed once).
+            let mut state = CycleState::default();
             let mut excluded = Vec::new();
-            let mut backend = s.schedule(&request, &excluded, deadline).await?;
+            let mut five_xx: Vec<Arc<Backend>> = Vec::new();
+            let mut guard = s
+                .schedule(&request, &mut state, &excluded, deadline)
+                .await?;
             let mut attempt = 1;
             loop {
-                let guard = InflightGuard::new(
-                    Arc::clone(&backend),
-                    Arc::clone(s.scheduler.profile()),
-                    Arc::clone(&request.view),
-                );
+                let backend = Arc::clone(guard.backend());
+                // Recorded only now that it is sent: a pick given up is never recorded.
+                s.scheduler.sent(&request.view, &state, &backend);
                 let dispatch = Dispatch {
                     request: Arc::clone(&request),
                     backend: Arc::clone(&backend),
                     guard,
                 };
                 let result = inner.clone().oneshot(dispatch).await;
-                let again = s.retry.retryable(&result)
-                    && attempt < s.retry.max_attempts
-                    && s.budget.available();
-                let next = if again {
+                let server_error = matches!(&result, Ok(r) if r.status().is_server_error());
+                let next = if s.retry.retryable(&result) && attempt < s.retry.max_attempts {
                     excluded.push(backend.id);
-                    s.scheduler.schedule(&request.view, &excluded).ok()
+                    // Only a pick that will be sent spends the budget; one not sent frees its
+                    // slot on drop and is never recorded.
+                    s.scheduler
+                        .schedule(&request.view, &mut state, &excluded)
+                        .ok()
+                        .filter(|_| s.budget.withdraw())
                 } else {
                     None
                 };
-                let Some(next) = next.filter(|_| s.budget.withdraw()) else {
+                if server_error {
+                    five_xx.push(Arc::clone(&backend));
+                }
+                let Some(next) = next else {
+                    s.settle_failures(&five_xx);
                     return match (result, permit) {
                         (Ok(response), Some(permit)) => Ok(hold(response, permit)),
                         (result, _) => result,
@@ -208,15 +281,25 @@ where
                     Ok(r) => format!("status {}", r.status()),
                     Err(e) => e.to_string(),
                 };
-                tracing::warn!(backend = %backend.name, attempt, error = %what, next = %next.name, "retrying on another backend");
-                drop(result);
-                tokio::time::sleep(s.retry.backoff(attempt)).await;
-                backend = next;
+                tracing::warn!(backend = %backend.name, attempt, error = %what, next = %next.backend().name, "retrying on another backend");
+                let pause = tokio::time::sleep(s.retry.backoff(attempt));
+                match result {
+                    // Read the refused answer to its end while backing off, so its keep-alive
+                    // connection returns to the pool; it is not a client disconnect.
+                    Ok(response) => {
+                        tokio::join!(discard(response, Instant::now() + DISCARD_WITHIN), pause);
+                    }
+                    Err(_) => pause.await,
+                }
+                guard = next;
                 attempt += 1;
             }
         })
     }
 }
+
+/// How long a refused answer's body may take to arrive before its connection is dropped.
+const DISCARD_WITHIN: Duration = Duration::from_millis(250);
 
 #[cfg(test)]
 mod tests {
@@ -267,7 +350,8 @@ mod tests {
         })));
         assert!(!p.retryable(&Err(Error::UpstreamTimeout {
             backend: "b".into(),
-            timeout_ms: 1
+            timeout_ms: 1,
+            limit: "forward.response_timeout_ms",
         })));
         let no_status = RetryPolicy {
             on_status: false,

@@ -4,8 +4,9 @@
 //! * [`plugins`] — the built-in plugins, one module per purpose.
 //! * [`registry`] — type name → factory.
 //! * [`profile`] — filters → weighted scores → picker, built from config.
-//! * this module — [`Scheduler`] (one decision), [`SchedulerLayer`] (the tower layer that
-//!   wraps forwarding and retries connection failures elsewhere) and [`InflightGuard`].
+//! * this module — [`Scheduler`] (one decision, which takes the chosen backend's in-flight
+//!   slot), [`SchedulerLayer`] (the tower layer that wraps forwarding, waits for capacity and
+//!   retries failures elsewhere) and [`InflightGuard`].
 
 pub mod admission;
 pub mod framework;
@@ -19,12 +20,29 @@ pub use layer::{RetryPolicy, SchedulerLayer, SchedulerService};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::endpoints::capacity::Slot;
+use crate::endpoints::passive::Admission;
 use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
 use crate::prompt::RequestView;
-use crate::telemetry as t;
-use framework::Outcome;
+use framework::{CycleState, Rejection};
 use profile::Profile;
+
+/// How many times one decision is re-run when another request took the picked backend's last
+/// slot (or its probe) between the decision and the reservation.
+const MAX_RACES: usize = 8;
+
+/// Why [`Scheduler::schedule`] returned no backend.
+pub enum Refused {
+    /// Eligible backends exist but all are at the in-flight limit: wait for a slot on one of
+    /// `eligible`.
+    AtCapacity {
+        eligible: Vec<Arc<Backend>>,
+        limit: Option<u64>,
+    },
+    /// Nobody can serve the request (a hard filter emptied the list).
+    Failed(Error),
+}
 
 /// Runs the active profile over the pool.
 pub struct Scheduler {
@@ -41,43 +59,82 @@ impl Scheduler {
         &self.profile
     }
 
-    /// Pick a backend for `request`, skipping the backends in `exclude` (failed attempts).
-    pub fn schedule(
-        &self,
-        request: &RequestView,
-        exclude: &[usize],
-    ) -> Result<Arc<Backend>, Error> {
-        let mut candidates = self.pool.candidates(Instant::now());
-        if !exclude.is_empty() {
-            candidates.retain(|c| !exclude.contains(&c.backend.id));
-        }
-        let Some(decision) = self.profile.run(request, &mut candidates) else {
-            return Err(self.why_none(request, exclude));
-        };
-        let backend = Arc::clone(candidates[decision.index].backend);
-        for plugin in self.profile.plugins() {
-            plugin.after_pick(request, &decision.state, &backend);
-        }
-        Ok(backend)
-    }
-
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
     }
 
-    /// Saturated when eligible backends exist but all are at their in-flight limit; else 404
-    /// when no backend has ever listed the model, 503 when some do but none is eligible.
-    fn why_none(&self, request: &RequestView, exclude: &[usize]) -> Error {
-        let eligible = self.pool.backends().iter().any(|b| {
-            let s = b.state();
-            !exclude.contains(&b.id)
-                && s.healthy
-                && !b.passive().is_ejected()
-                && request.model.as_deref().is_none_or(|m| s.serves(m))
-        });
-        if eligible {
-            return Error::Saturated;
+    /// Pick a backend for `request`, skipping the backends in `exclude` (failed attempts), and
+    /// take its in-flight slot. `state` is the request's own, kept across its decisions.
+    /// Nothing is recorded about the pick until [`Scheduler::sent`].
+    pub fn schedule(
+        &self,
+        request: &RequestView,
+        state: &mut CycleState,
+        exclude: &[usize],
+    ) -> Result<InflightGuard, Refused> {
+        let now = Instant::now();
+        let mut lost: Vec<usize> = Vec::new();
+        for _ in 0..MAX_RACES {
+            let mut candidates = self.pool.candidates(now);
+            candidates
+                .retain(|c| !exclude.contains(&c.backend.id) && !lost.contains(&c.backend.id));
+            match self.profile.run(request, state, &mut candidates) {
+                Ok(decision) => {
+                    let backend = candidates[decision.index].backend;
+                    match self.reserve(backend) {
+                        Some(slot) => return Ok(InflightGuard::new(slot, request)),
+                        None => lost.push(backend.id),
+                    }
+                }
+                Err(Rejection::Unavailable) if !lost.is_empty() => break,
+                Err(Rejection::AtCapacity) => break,
+                Err(Rejection::Unavailable | Rejection::ModelNotServed) => {
+                    return Err(Refused::Failed(self.explain(request)))
+                }
+            }
         }
+        let mut candidates = self.pool.candidates(now);
+        candidates.retain(|c| !exclude.contains(&c.backend.id));
+        let eligible = self.profile.uncapped(request, &mut candidates);
+        if eligible.is_empty() {
+            return Err(Refused::Failed(self.explain(request)));
+        }
+        Err(Refused::AtCapacity {
+            eligible,
+            limit: self.profile.slot_limit(),
+        })
+    }
+
+    /// Take a slot on `backend` under the profile's limit, and its probe when it is on
+    /// probation after an ejection.
+    fn reserve(&self, backend: &Arc<Backend>) -> Option<Slot> {
+        let mut slot = Slot::try_reserve(backend, self.profile.slot_limit())?;
+        match backend.passive().claim(tokio::time::Instant::now()) {
+            Admission::Open => Some(slot),
+            Admission::Probe => {
+                slot.set_probe();
+                Some(slot)
+            }
+            Admission::Closed => None,
+        }
+    }
+
+    /// Wrap a slot handed over while the request waited.
+    pub fn guard(&self, slot: Slot, request: &RequestView) -> InflightGuard {
+        InflightGuard::new(slot, request)
+    }
+
+    /// `request` is being sent to `backend`: run the plugins' `after_pick` hooks (the prefix
+    /// index records it). Called once per attempt actually sent, never for a pick given up.
+    pub fn sent(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
+        for plugin in self.profile.plugins() {
+            plugin.after_pick(request, state, backend);
+        }
+    }
+
+    /// No backend may serve the request: 404 when the model is listed by no backend while
+    /// some backend lists models, else 503.
+    fn explain(&self, request: &RequestView) -> Error {
         let Some(model) = request.model.as_deref() else {
             return Error::NoHealthyBackend("(any)".into());
         };
@@ -92,47 +149,36 @@ impl Scheduler {
     }
 }
 
-/// Holds one unit of a backend's in-flight count from dispatch until the response ends;
-/// on drop it releases the count and runs the profile's `on_complete` hooks.
+/// Holds one in-flight slot of a backend from the pick until the response ends; on drop the
+/// slot is freed (or handed to a waiting request).
 pub struct InflightGuard {
-    backend: Arc<Backend>,
-    profile: Arc<Profile>,
-    view: Arc<RequestView>,
-    outcome: Outcome,
+    slot: Slot,
+    /// The metric label for the request's model: a name the chosen backend serves.
+    model_label: Arc<str>,
 }
 
 impl InflightGuard {
-    pub fn new(backend: Arc<Backend>, profile: Arc<Profile>, view: Arc<RequestView>) -> Self {
-        let n = backend.inflight_add();
-        metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => backend.name.clone()).set(n as f64);
+    fn new(slot: Slot, request: &RequestView) -> Self {
+        let served = request
+            .model
+            .as_deref()
+            .filter(|m| slot.backend().state().serves(m));
         InflightGuard {
-            backend,
-            profile,
-            view,
-            // Until told otherwise, a guard that is dropped was abandoned.
-            outcome: Outcome::Cancelled,
+            model_label: Arc::from(served.unwrap_or(crate::telemetry::OTHER_MODEL)),
+            slot,
         }
     }
 
     pub fn backend(&self) -> &Arc<Backend> {
-        &self.backend
+        self.slot.backend()
     }
 
     pub fn model_label(&self) -> String {
-        self.view.model.clone().unwrap_or_else(|| "unknown".into())
+        self.model_label.to_string()
     }
 
-    pub fn set_outcome(&mut self, outcome: Outcome) {
-        self.outcome = outcome;
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        let n = self.backend.inflight_sub();
-        metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => self.backend.name.clone()).set(n as f64);
-        for plugin in self.profile.plugins() {
-            plugin.on_complete(&self.view, &self.backend, self.outcome);
-        }
+    /// This request is the probe of a backend on probation.
+    pub fn is_probe(&self) -> bool {
+        self.slot.is_probe()
     }
 }

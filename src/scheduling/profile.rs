@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::framework::{CycleState, Filter, Picker, Plugin, Scorer};
+use super::framework::{CycleState, Filter, Picker, Plugin, Rejection, Scorer};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
     saturation::SaturationFilter,
@@ -40,11 +40,10 @@ pub const DEFAULT_PROFILE: &[(&str, Option<f64>)] = &[
     (MaxScorePicker::TYPE, None),
 ];
 
-/// One candidate's result, for debug logs.
+/// The profile's choice.
 pub struct Decision {
     /// Index into the candidates passed to [`Profile::run`].
     pub index: usize,
-    pub state: CycleState,
 }
 
 pub struct Profile {
@@ -54,28 +53,34 @@ pub struct Profile {
     picker: Arc<dyn Picker>,
     /// Every plugin of the profile, for lifecycle hooks.
     plugins: Vec<Arc<dyn Plugin>>,
+    /// The smallest per-backend in-flight limit among the filters (see [`Filter::capacity`]).
+    slot_limit: Option<u64>,
 }
 
 impl Profile {
-    /// Filter `candidates` in place, score, and pick. `None` when filtering left nobody.
+    /// Filter `candidates` in place, score, and pick. When a filter leaves nobody, its
+    /// [`Rejection`] says why. `state` is the request's, kept across its decisions.
     pub fn run(
         &self,
         request: &RequestView,
+        state: &mut CycleState,
         candidates: &mut Vec<Candidate<'_>>,
-    ) -> Option<Decision> {
+    ) -> Result<Decision, Rejection> {
+        if candidates.is_empty() {
+            return Err(Rejection::Unavailable);
+        }
         for filter in &self.filters {
             filter.filter(request, candidates);
             if candidates.is_empty() {
-                return None;
+                return Err(filter.when_empty());
             }
         }
-        let mut state = CycleState::default();
         let mut totals = vec![0.0; candidates.len()];
         let mut scratch = vec![0.0; candidates.len()];
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let mut trace: Vec<(&str, Vec<f64>)> = Vec::new();
         for (scorer, weight) in &self.scorers {
-            scorer.score(request, &mut state, candidates, &mut scratch);
+            scorer.score(request, state, candidates, &mut scratch);
             for (total, score) in totals.iter_mut().zip(&scratch) {
                 let s = if score.is_finite() {
                     score.clamp(0.0, 1.0)
@@ -88,7 +93,10 @@ impl Profile {
                 trace.push((scorer.name(), scratch.clone()));
             }
         }
-        let index = self.picker.pick(candidates, &totals)?;
+        let index = self
+            .picker
+            .pick(candidates, &totals)
+            .ok_or(Rejection::Unavailable)?;
         if debug {
             for (i, c) in candidates.iter().enumerate() {
                 let parts: Vec<String> = trace
@@ -105,11 +113,55 @@ impl Profile {
                 );
             }
         }
-        Some(Decision { index, state })
+        Ok(Decision { index })
+    }
+
+    /// The candidates every filter but the capacity ones keeps: where a request that found
+    /// everyone at capacity may wait for a slot.
+    pub fn uncapped<'a>(
+        &self,
+        request: &RequestView,
+        candidates: &mut Vec<Candidate<'a>>,
+    ) -> Vec<Arc<crate::endpoints::Backend>> {
+        for filter in self.filters.iter().filter(|f| f.capacity().is_none()) {
+            filter.filter(request, candidates);
+        }
+        candidates.iter().map(|c| Arc::clone(c.backend)).collect()
+    }
+
+    /// The per-backend in-flight limit slots are reserved under.
+    pub fn slot_limit(&self) -> Option<u64> {
+        self.slot_limit
     }
 
     pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
         &self.plugins
+    }
+
+    /// Signals a scorer reads that a backend's engine does not report, as start-up warnings.
+    pub fn missing_signals(&self, config: &Config) -> Vec<String> {
+        let mut out = Vec::new();
+        for (scorer, _) in &self.scorers {
+            for signal in scorer.consumes() {
+                let mut engines: Vec<&str> = config
+                    .backends
+                    .iter()
+                    .map(|b| b.engine.as_str())
+                    .filter(|e| config.engine(e).is_some_and(|n| !signal.reported_by(&n)))
+                    .collect();
+                engines.sort_unstable();
+                engines.dedup();
+                for engine in engines {
+                    out.push(format!(
+                        "scorer `{}` reads `{}`, which engine `{engine}` does not report: its \
+                         backends score as unknown there",
+                        scorer.name(),
+                        signal.name()
+                    ));
+                }
+            }
+        }
+        out
     }
 
     /// Describe the profile for the start-up log.
@@ -274,8 +326,10 @@ fn build_profile(
             max_inflight_per_backend,
         )));
     }
+    let slot_limit = mandatory.iter().filter_map(|f| f.capacity()).min();
     Ok(Profile {
         name: spec.name.clone(),
+        slot_limit,
         filters: mandatory,
         scorers,
         picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),

@@ -6,6 +6,7 @@ use crate::endpoints::engine::LoadMetrics;
 use crate::endpoints::test_support::{backends, load};
 use crate::endpoints::Candidate;
 use crate::prompt::Operation;
+use crate::scheduling::framework::Rejection;
 
 fn config(text: &str) -> Config {
     Config::from_toml(text, "t").unwrap()
@@ -116,7 +117,13 @@ fn weighted_sum_clamps_and_picks_exact_winner() {
             Candidate::with_metrics(&b[0], Some(load(Some(0.0), Some(0.9))), 0),
             Candidate::with_metrics(&b[1], Some(load(Some(10.0), Some(0.0))), 0),
         ];
-        assert_eq!(p.run(&view, &mut c).unwrap().index, 0);
+        assert_eq!(
+            p.run(&view, &mut CycleState::default(), &mut c)
+                .ok()
+                .unwrap()
+                .index,
+            0
+        );
     }
 }
 
@@ -132,12 +139,18 @@ fn unhealthy_and_wrong_model_are_filtered() {
         Some(LoadMetrics::default()),
         0,
     )];
-    assert!(p.run(&view, &mut c).is_none());
+    assert_eq!(
+        p.run(&view, &mut CycleState::default(), &mut c).err(),
+        Some(Rejection::ModelNotServed)
+    );
     let mut state = (*b[1].state()).clone();
     state.healthy = false;
     let mut unhealthy = Candidate::with_metrics(&b[1], None, 0);
     unhealthy.state = std::sync::Arc::new(state);
     let mut c = vec![unhealthy];
     let any_model = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
-    assert!(p.run(&any_model, &mut c).is_none());
+    assert_eq!(
+        p.run(&any_model, &mut CycleState::default(), &mut c).err(),
+        Some(Rejection::Unavailable)
+    );
 }

@@ -1,7 +1,9 @@
 //! `capacity-filter`: drops backends that already have `max_inflight` requests in flight from
 //! this router. Unlike the soft saturation filter it may empty the candidate list: the
 //! scheduler then queues the request until capacity frees up (or answers 429), instead of
-//! overloading a backend. Added to every profile when `limits.max_inflight_per_backend > 0`.
+//! overloading a backend. The limit is exact: the scheduler reserves the picked backend's
+//! slot atomically under it (see [`crate::endpoints::capacity`]). Added to every profile when
+//! `limits.max_inflight_per_backend > 0`.
 
 use std::sync::Arc;
 
@@ -53,6 +55,10 @@ impl Plugin for CapacityFilter {
 impl Filter for CapacityFilter {
     fn filter(&self, _request: &RequestView, candidates: &mut Vec<Candidate<'_>>) {
         candidates.retain(|c| c.inflight < self.max_inflight);
+    }
+
+    fn capacity(&self) -> Option<u64> {
+        Some(self.max_inflight)
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{Filter, Plugin};
+use crate::scheduling::framework::{Filter, Plugin, Rejection};
 use crate::scheduling::plugins::identity;
 
 pub struct ModelFilter {
@@ -30,5 +30,9 @@ impl Filter for ModelFilter {
         if let Some(model) = request.model.as_deref() {
             candidates.retain(|c| c.state.serves(model));
         }
+    }
+
+    fn when_empty(&self) -> Rejection {
+        Rejection::ModelNotServed
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{lower_is_better, Category, CycleState, Plugin, Scorer};
+use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer};
 use crate::scheduling::plugins::identity;
 
 pub struct InflightScorer {
@@ -29,14 +29,6 @@ impl Plugin for InflightScorer {
 }
 
 impl Scorer for InflightScorer {
-    fn category(&self) -> Category {
-        Category::Distribution
-    }
-
-    fn consumes(&self) -> &'static [&'static str] {
-        &["router_inflight"]
-    }
-
     fn score(
         &self,
         _: &RequestView,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{Category, CycleState, Plugin, Scorer};
+use crate::scheduling::framework::{CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::identity;
 
 pub struct KvCacheUtilizationScorer {
@@ -27,12 +27,8 @@ impl Plugin for KvCacheUtilizationScorer {
 }
 
 impl Scorer for KvCacheUtilizationScorer {
-    fn category(&self) -> Category {
-        Category::Distribution
-    }
-
-    fn consumes(&self) -> &'static [&'static str] {
-        &["kv_usage"]
+    fn consumes(&self) -> &'static [Signal] {
+        &[Signal::KvUsage]
     }
 
     fn score(

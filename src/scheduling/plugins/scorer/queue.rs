@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{lower_is_better, Category, CycleState, Plugin, Scorer};
+use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::identity;
 
 pub struct QueueScorer {
@@ -27,12 +27,8 @@ impl Plugin for QueueScorer {
 }
 
 impl Scorer for QueueScorer {
-    fn category(&self) -> Category {
-        Category::Distribution
-    }
-
-    fn consumes(&self) -> &'static [&'static str] {
-        &["waiting"]
+    fn consumes(&self) -> &'static [Signal] {
+        &[Signal::Waiting]
     }
 
     fn score(

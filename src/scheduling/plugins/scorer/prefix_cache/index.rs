@@ -221,8 +221,18 @@ impl PrefixIndex {
         }
     }
 
+    /// The capacity (blocks) of `backend`'s LRU at `epoch`, if the index holds one.
+    pub fn capacity(&self, backend: usize, epoch: u64) -> Option<u64> {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        lrus.get(backend)
+            .and_then(|l| l.as_ref())
+            .filter(|l| l.epoch == epoch)
+            .map(|l| l.capacity as u64)
+    }
+
     /// Remember that `backend` (at `epoch`) was sent `hashes`. `capacity` bounds its LRU in
-    /// blocks; a new epoch or capacity starts the backend afresh.
+    /// blocks; a new epoch starts the backend afresh, a new capacity keeps the most recent
+    /// blocks that fit.
     ///
     /// Blocks are touched last to first, so a prompt's head ends up the most recent and its
     /// tail is evicted first — as an engine frees a finished request's blocks — and a prefix
@@ -284,6 +294,19 @@ impl PrefixIndex {
         }
         if lrus.len() <= backend {
             lrus.resize_with(backend + 1, || None);
+        }
+        if let Some(old) = lrus[backend].as_mut().filter(|l| l.epoch == epoch) {
+            // Same cache, new size: evict down to the new bound (or make room), keep the rest.
+            let mut lru = old.lru.lock().unwrap_or_else(PoisonError::into_inner);
+            let (resized, evicted) = lru.resized(capacity);
+            let (w, bit) = word_bit(backend);
+            for hash in evicted {
+                self.clear_bit(hash, w, bit);
+            }
+            *lru = resized;
+            old.capacity = lru.capacity();
+            old.len.store(lru.len(), Ordering::Relaxed);
+            return;
         }
         if let Some(old) = lrus[backend].take() {
             self.clear_backend(backend, &old);
@@ -472,5 +495,29 @@ mod tests {
         assert_eq!(out, [2]);
         idx.match_lengths(&first, &[(0, 0)], &mut out);
         assert_eq!(out, [0], "evicted blocks no longer match");
+    }
+
+    /// A new reported cache size shrinks the backend's records to the most recent blocks that
+    /// fit (it used to wipe them all) and a larger one keeps everything.
+    #[test]
+    fn capacity_change_evicts_down_instead_of_wiping() {
+        let idx = PrefixIndex::new();
+        let old = hashes("aaaabbbb");
+        let new = hashes("ccccdddd");
+        idx.record(0, 0, 4, &old);
+        idx.record(0, 0, 4, &new);
+        assert_eq!(idx.blocks(), 4);
+        idx.record(0, 0, 8, &new);
+        assert_eq!(idx.blocks(), 4, "growing keeps every block");
+        assert_eq!(idx.capacity(0, 0), Some(8));
+        let mut out = [0; 1];
+        idx.match_lengths(&old, &[(0, 0)], &mut out);
+        assert_eq!(out, [2]);
+        idx.record(0, 0, 2, &new);
+        assert_eq!(idx.blocks(), 2, "shrinking evicts down to the bound");
+        idx.match_lengths(&new, &[(0, 0)], &mut out);
+        assert_eq!(out, [2], "the most recent prompt survives");
+        idx.match_lengths(&old, &[(0, 0)], &mut out);
+        assert_eq!(out, [0], "the evicted ones no longer match");
     }
 }

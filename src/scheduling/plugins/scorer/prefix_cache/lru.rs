@@ -131,6 +131,19 @@ impl Lru {
         Touch::Replaced(old)
     }
 
+    /// The same set bounded by `capacity`: the most recent entries kept in order, the rest
+    /// returned as evicted. Rebuilt compactly (a capacity change is rare; O(len)).
+    pub fn resized(&self, capacity: usize) -> (Lru, Vec<u64>) {
+        let mut fresh = Lru::new(capacity);
+        let recent_first: Vec<u64> = self.iter().collect();
+        let keep = recent_first.len().min(fresh.capacity);
+        let evicted = recent_first[keep..].to_vec();
+        for hash in recent_first[..keep].iter().rev() {
+            fresh.touch(*hash);
+        }
+        (fresh, evicted)
+    }
+
     #[cfg(test)]
     pub fn contains(&self, hash: u64) -> bool {
         self.map.contains_key(&(hash as u32))
@@ -189,6 +202,22 @@ mod tests {
         assert_eq!(lru.touch(8), Touch::Replaced(9));
         assert_eq!(lru.iter().collect::<Vec<_>>(), vec![8]);
         assert_eq!(Lru::new(0).capacity(), 1);
+    }
+
+    #[test]
+    fn resizing_keeps_the_most_recent_in_order() {
+        let mut lru = Lru::new(5);
+        for h in 1..=5 {
+            lru.touch(h);
+        }
+        let (small, evicted) = lru.resized(3);
+        assert_eq!(small.iter().collect::<Vec<_>>(), vec![5, 4, 3]);
+        assert_eq!(evicted, vec![2, 1]);
+        let (mut big, none) = small.resized(10);
+        assert!(none.is_empty());
+        assert_eq!(big.capacity(), 10);
+        assert_eq!(big.touch(6), Touch::Inserted);
+        assert_eq!(big.iter().collect::<Vec<_>>(), vec![6, 5, 4, 3]);
     }
 
     #[test]

@@ -41,7 +41,7 @@ use serde::Deserialize;
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{lower_is_better, Category, CycleState, Plugin, Scorer};
+use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};
 use crate::telemetry as t;
 use index::{block_hashes, PrefixIndex};
@@ -88,10 +88,11 @@ impl Default for Params {
     }
 }
 
-/// Data kept between scoring and recording for one request.
+/// Data kept for one request, across all of its decisions.
 struct Scratch {
+    /// The prompt's block hashes, computed once per request.
     hashes: Vec<u64>,
-    /// (backend id, matched blocks) for each scored candidate.
+    /// (backend id, matched blocks) for each candidate of the last scoring.
     matched: Vec<(usize, usize)>,
 }
 
@@ -139,20 +140,39 @@ impl PrefixCacheScorer {
         })
     }
 
-    /// Blocks the index may hold for `backend`.
-    fn capacity(&self, state: &BackendState) -> u64 {
+    /// Blocks the index may hold for `backend`. With `"auto"`, a scrape that lacks the cache
+    /// geometry keeps the capacity already in use (one missing series must not resize, let
+    /// alone wipe, the backend's records); the fallback applies only before any is known.
+    fn capacity(&self, backend: &Backend, state: &BackendState) -> u64 {
         match self.params.capacity {
             Capacity::Blocks(n) => n,
             Capacity::Auto(_) => state
                 .metrics
                 .as_ref()
                 .and_then(|(m, _)| m.kv_capacity_tokens())
-                .map_or(self.params.fallback_capacity, |tokens| {
+                .map(|tokens| {
                     ((tokens as f64 * self.params.chars_per_token) / self.params.block_size as f64)
                         .ceil() as u64
                 })
+                .or_else(|| self.index.capacity(backend.id, state.epoch))
+                .unwrap_or(self.params.fallback_capacity)
                 .max(1),
         }
+    }
+
+    fn hashes(&self, request: &RequestView) -> Vec<u64> {
+        let Some(text) = request.routing_text.as_deref() else {
+            return Vec::new();
+        };
+        let mut hashes = Vec::with_capacity(text.len() / self.params.block_size + 1);
+        block_hashes(
+            request.model.as_deref(),
+            text,
+            self.params.block_size,
+            self.params.max_blocks,
+            &mut hashes,
+        );
+        hashes
     }
 
     pub fn index(&self) -> &PrefixIndex {
@@ -163,26 +183,33 @@ impl PrefixCacheScorer {
 impl Plugin for PrefixCacheScorer {
     identity!();
 
-    fn after_pick(&self, _request: &RequestView, state: &CycleState, backend: &Backend) {
-        let Some(scratch) = state.get::<Scratch>(&self.name) else {
-            return;
+    fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
+        // A request handed a slot while it waited may never have been scored.
+        let computed;
+        let (hashes, matched) = match state.get::<Scratch>(&self.name) {
+            Some(scratch) => (
+                &scratch.hashes,
+                scratch
+                    .matched
+                    .iter()
+                    .find(|(id, _)| *id == backend.id)
+                    .map_or(0, |(_, m)| *m),
+            ),
+            None => {
+                computed = self.hashes(request);
+                (&computed, 0)
+            }
         };
-        if scratch.hashes.is_empty() {
+        if hashes.is_empty() {
             return;
         }
-        let matched = scratch
-            .matched
-            .iter()
-            .find(|(id, _)| *id == backend.id)
-            .map_or(0, |(_, m)| *m);
-        metrics::histogram!(t::PREFIX_MATCH_RATIO)
-            .record(matched as f64 / scratch.hashes.len() as f64);
+        metrics::histogram!(t::PREFIX_MATCH_RATIO).record(matched as f64 / hashes.len() as f64);
         let state = backend.state();
         self.index.record(
             backend.id,
             state.epoch,
-            self.capacity(&state),
-            &scratch.hashes,
+            self.capacity(backend, &state),
+            hashes,
         );
         if self.decisions.fetch_add(1, Ordering::Relaxed) % 64 == 0 {
             metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
@@ -191,12 +218,12 @@ impl Plugin for PrefixCacheScorer {
 }
 
 impl Scorer for PrefixCacheScorer {
-    fn category(&self) -> Category {
-        Category::Affinity
-    }
-
-    fn consumes(&self) -> &'static [&'static str] {
-        &["routing_text", "cache_config"]
+    fn consumes(&self) -> &'static [Signal] {
+        // The geometry sizes the index only when `capacity = "auto"`.
+        match self.params.capacity {
+            Capacity::Auto(_) => &[Signal::CacheConfig],
+            Capacity::Blocks(_) => &[],
+        }
     }
 
     fn score(
@@ -207,17 +234,13 @@ impl Scorer for PrefixCacheScorer {
         scores: &mut [f64],
     ) {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        let Some(text) = request.routing_text.as_deref() else {
+        if request.routing_text.is_none() {
             return;
+        }
+        let hashes = match state.take::<Scratch>(&self.name) {
+            Some(scratch) => scratch.hashes,
+            None => self.hashes(request),
         };
-        let mut hashes = Vec::with_capacity(text.len() / self.params.block_size + 1);
-        block_hashes(
-            request.model.as_deref(),
-            text,
-            self.params.block_size,
-            self.params.max_blocks,
-            &mut hashes,
-        );
         let ids: Vec<(usize, u64)> = candidates
             .iter()
             .map(|c| (c.backend.id, c.state.epoch))

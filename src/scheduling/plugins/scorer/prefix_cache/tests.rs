@@ -134,7 +134,7 @@ fn auto_capacity_from_cache_geometry() {
     let b = backends(1);
     let s = scorer("block_size = 64\nchars_per_token = 4.0");
     assert_eq!(
-        s.capacity(&b[0].state()),
+        s.capacity(&b[0], &b[0].state()),
         31_250,
         "fallback while geometry is unknown"
     );
@@ -149,9 +149,62 @@ fn auto_capacity_from_cache_geometry() {
     ));
     b[0].publish(state);
     // 16 000 tokens × 4 chars ÷ 64 = 1000 blocks.
-    assert_eq!(s.capacity(&b[0].state()), 1000);
+    assert_eq!(s.capacity(&b[0], &b[0].state()), 1000);
     let fixed = scorer("capacity = 7");
-    assert_eq!(fixed.capacity(&b[0].state()), 7);
+    assert_eq!(fixed.capacity(&b[0], &b[0].state()), 7);
+}
+
+/// One scrape without the cache-config series must not resize (let alone wipe) the records:
+/// the capacity in use stays until a scrape reports a new geometry.
+#[test]
+fn a_scrape_without_geometry_keeps_the_capacity_in_use() {
+    let b = backends(1);
+    let s = scorer("block_size = 4\nchars_per_token = 1.0");
+    let with_geometry = |blocks: Option<u64>| {
+        let mut state = (*b[0].state()).clone();
+        state.metrics = Some((
+            LoadMetrics {
+                block_size: blocks.map(|_| 4),
+                num_gpu_blocks: blocks,
+                ..Default::default()
+            },
+            std::time::Instant::now(),
+        ));
+        b[0].publish(state);
+    };
+    with_geometry(Some(10));
+    let v = view("aaaabbbbcccc");
+    let (_, state) = score(&s, &v, &[Candidate::with_metrics(&b[0], None, 0)]);
+    s.after_pick(&v, &state, &b[0]);
+    assert_eq!(s.index().capacity(0, 0), Some(10));
+    with_geometry(None);
+    assert_eq!(s.capacity(&b[0], &b[0].state()), 10);
+    s.after_pick(&v, &state, &b[0]);
+    assert_eq!(s.index().blocks(), 3, "records kept");
+    with_geometry(Some(2));
+    s.after_pick(&view("ddddeeee"), &CycleState::default(), &b[0]);
+    assert_eq!(s.index().capacity(0, 0), Some(2));
+    assert_eq!(s.index().blocks(), 2);
+}
+
+/// The block hashes are computed once per request: a second scoring (a retry, a wake-up)
+/// reuses them from the request's state.
+#[test]
+fn hashes_are_computed_once_per_request() {
+    let b = backends(1);
+    let s = scorer("block_size = 4");
+    let v = view("aaaabbbb");
+    let c = [Candidate::with_metrics(&b[0], None, 0)];
+    let mut state = CycleState::default();
+    let mut scores = vec![0.0; 1];
+    s.score(&v, &mut state, &c, &mut scores);
+    // Replace the stored hashes with a marker: a re-scoring that recomputed would not see it.
+    let mut scratch = state.take::<Scratch>(&s.name).unwrap();
+    assert_eq!(scratch.hashes.len(), 2);
+    scratch.hashes = vec![7, 8, 9];
+    state.put(&s.name, scratch);
+    s.score(&v, &mut state, &c, &mut scores);
+    assert_eq!(state.get::<Scratch>(&s.name).unwrap().hashes, vec![7, 8, 9]);
 }
 
 #[test]
