@@ -86,17 +86,24 @@ async fn saturated_backends_queue_then_429_with_retry_after() {
         .await
         .unwrap();
     assert_eq!(first.status(), 200);
-    // The only backend is full: the next request waits, then gets 429.
+    // The only backend is full: the next request waits its whole queue timeout, then 429.
+    let started = std::time::Instant::now();
     let second = c
         .post(router.url("/v1/chat/completions"))
         .json(&stream_body())
         .send()
         .await
         .unwrap();
+    let waited = started.elapsed();
     assert_eq!(second.status(), 429);
+    assert!(
+        waited >= Duration::from_millis(300),
+        "refused after {waited:?}, before queue_timeout_ms"
+    );
     assert_eq!(second.headers()["retry-after"], "1");
     let v: serde_json::Value = second.json().await.unwrap();
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(b.state.completions.load(Ordering::Relaxed), 1, "never sent");
 
     drop(first);
     router.shutdown().await;
@@ -125,7 +132,8 @@ async fn a_queued_request_is_admitted_when_capacity_frees() {
             .unwrap()
             .status()
     });
-    // Until the first stream ends, the backend receives nothing else.
+    // The router reports it waiting, and the backend has seen nothing of it.
+    until_backends_json(&router, |v| v["queued"] == 1 && v["waiting_for_slot"] == 1).await;
     assert_eq!(b.state.completions.load(Ordering::Relaxed), 1);
     assert!(!waiting.is_finished());
     b.state.gate.notify_one();
@@ -136,6 +144,47 @@ async fn a_queued_request_is_admitted_when_capacity_frees() {
         "admitted after capacity freed, well before its deadline"
     );
     assert_eq!(b.state.completions.load(Ordering::Relaxed), 2);
+    let v = admin_view(&router).await;
+    assert_eq!(
+        (v["queued"].clone(), v["waiting_for_slot"].clone()),
+        (0.into(), 0.into())
+    );
+    router.shutdown().await;
+}
+
+/// A client that leaves while its request waits in the queue leaves the queue: the request is
+/// never sent, and the freed slot goes to nobody (the next request is served at once).
+#[tokio::test]
+async fn a_client_leaving_the_queue_is_never_sent() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    b.state.hold_streams.store(true, Ordering::Relaxed);
+    let mut cfg = config(&[&b]);
+    cfg.limits.max_inflight_per_backend = 1;
+    cfg.limits.queue_timeout_ms = 60_000;
+    let router = start_router(cfg).await;
+    let mut first = open_stream(&router).await.bytes_stream();
+    let _ = first.next().await.unwrap().unwrap();
+    let url = router.url("/v1/chat/completions");
+    let leaving = tokio::spawn(async move {
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "bye"}]});
+        client().post(url).json(&body).send().await
+    });
+    until_backends_json(&router, |v| v["waiting_for_slot"] == 1).await;
+    leaving.abort();
+    let _ = leaving.await;
+    until_backends_json(&router, |v| v["queued"] == 0 && v["waiting_for_slot"] == 0).await;
+    b.state.gate.notify_one();
+    while first.next().await.is_some() {}
+    until_backends_json(&router, |v| v["backends"][0]["inflight"] == 0).await;
+    assert_eq!(
+        b.state.completions.load(Ordering::Relaxed),
+        1,
+        "the abandoned request never reached the backend"
+    );
+    b.state.hold_streams.store(false, Ordering::Relaxed);
+    let (status, _, _) = chat(&router, "m", "next").await;
+    assert_eq!(status, 200);
     router.shutdown().await;
 }
 

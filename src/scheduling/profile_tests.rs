@@ -154,3 +154,48 @@ fn unhealthy_and_wrong_model_are_filtered() {
         Some(Rejection::Unavailable)
     );
 }
+
+/// A scorer that reads a signal some backend's engine does not report is reported at start-up,
+/// naming the scorer, the signal and the engine; engines that report it raise nothing.
+#[test]
+fn scorers_reading_signals_an_engine_lacks_are_reported() {
+    let c = config(
+        r#"
+        [[backends]]
+        url = "http://127.0.0.1:1"
+        [[backends]]
+        url = "http://127.0.0.1:2"
+        engine = "sglang"
+        [[backends]]
+        url = "http://127.0.0.1:3"
+        engine = "mine"
+        [engines.mine]
+        kv_usage = ["my_kv"]
+        [[plugins]]
+        type = "queue-scorer"
+        [[plugins]]
+        type = "prefix-cache-scorer"
+        [[plugins]]
+        type = "kv-cache-utilization-scorer"
+        [[scheduling_profiles]]
+        name = "p"
+        plugins = [{ plugin_ref = "queue-scorer" }, { plugin_ref = "prefix-cache-scorer" }, { plugin_ref = "kv-cache-utilization-scorer" }]
+        "#,
+    );
+    let warnings = build_active(&c).unwrap().missing_signals(&c);
+    assert_eq!(warnings.len(), 3, "{warnings:#?}");
+    assert!(warnings
+        .iter()
+        .any(|w| w.contains("`queue-scorer` reads `waiting`") && w.contains("`mine`")));
+    assert!(warnings.iter().any(
+        |w| w.contains("`prefix-cache-scorer` reads `cache_config`") && w.contains("`sglang`")
+    ));
+    assert!(warnings
+        .iter()
+        .any(|w| w.contains("`prefix-cache-scorer` reads `cache_config`") && w.contains("`mine`")));
+    let vllm_only = config("[[backends]]\nurl = \"http://127.0.0.1:1\"\n");
+    assert!(build_active(&vllm_only)
+        .unwrap()
+        .missing_signals(&vllm_only)
+        .is_empty());
+}

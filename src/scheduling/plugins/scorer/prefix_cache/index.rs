@@ -57,8 +57,13 @@ impl Hasher for PassThroughHasher {
 /// Keyed by 32 bits of the block hash mixed with the 32-backend word number; the value is that
 /// word's bitmask of backends holding the block. A shard is picked by 6 other bits, so 38 bits
 /// of the hash tell blocks apart: at a million blocks, about one probe in 250,000 meets another
-/// block's entry — a match that can be off by a block, never a crash — and an entry costs
-/// 8 bytes instead of 16.
+/// block's entry, and an entry costs 8 bytes instead of 16. Such a false "held" answer is never
+/// a crash, but its effect depends on where it lands: matching bisects (see
+/// [`PrefixIndex::match_lengths`]), so a false positive at a bisection probe makes the search
+/// believe every block up to the probe is held — a match overstated by up to half the
+/// prompt's blocks, for that one decision. With ~log₂(n) probes per decision that is about one
+/// decision in 25,000 at a million blocks; the cost is one less-than-ideal placement, which
+/// the next decision (with no collision) corrects.
 type Shard = RwLock<HashMap<u32, Mask, BuildHasherDefault<PassThroughHasher>>>;
 
 /// The map key of block `hash` for backend word `w` (word 0: the hash's low 32 bits).
