@@ -274,6 +274,9 @@ pub struct ForwardConfig {
     /// Backoff before retry n: min(max, base × 2ⁿ) × a random factor in [0.5, 1.5).
     pub backoff_base_ms: u64,
     pub backoff_max_ms: u64,
+    /// PEM file of the CAs trusted for `https://` backends without a `ca_file` of their own
+    /// (unset: the built-in Mozilla roots).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ForwardConfig {
@@ -292,6 +295,7 @@ impl Default for ForwardConfig {
             retry_budget_min: 10,
             backoff_base_ms: 20,
             backoff_max_ms: 500,
+            ca_file: None,
         }
     }
 }
@@ -311,6 +315,9 @@ pub struct BackendConfig {
     /// Served models; when set, `/v1/models` discovery is skipped for this backend.
     #[serde(default)]
     pub models: Option<Vec<String>>,
+    /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 fn default_engine() -> String {
@@ -324,6 +331,7 @@ impl BackendConfig {
             engine: default_engine(),
             api_key: None,
             models: None,
+            ca_file: None,
         }
     }
 }
@@ -391,8 +399,14 @@ impl Config {
             ));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            crate::endpoints::parse_base_url(&b.url)
+            let (scheme, _) = crate::endpoints::parse_base_url(&b.url)
                 .map_err(|m| ConfigError::invalid(format!("backends[{i}].url"), m))?;
+            if b.ca_file.is_some() && scheme != http::uri::Scheme::HTTPS {
+                return Err(ConfigError::invalid(
+                    format!("backends[{i}].ca_file"),
+                    "set on a backend whose URL is not https://",
+                ));
+            }
             if self.engine(&b.engine).is_none() {
                 return Err(ConfigError::invalid(
                     format!("backends[{i}].engine"),
@@ -532,11 +546,26 @@ mod tests {
             "http://",
             "http://h:1/path",
             "http://h:99999",
+            "https://user:pw@h:1",
         ] {
             let c = Config::from_toml(&format!("[[backends]]\nurl = \"{url}\"\n"), "t").unwrap();
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains("backends[0].url"), "{url}: {err}");
         }
+    }
+
+    #[test]
+    fn https_backends_are_accepted_and_ca_file_needs_https() {
+        let c =
+            Config::from_toml("[[backends]]\nurl = \"https://vllm.example:8443\"\n", "t").unwrap();
+        c.validate().unwrap();
+        let c = Config::from_toml(
+            "[[backends]]\nurl = \"http://h:1\"\nca_file = \"/etc/ca.pem\"\n",
+            "t",
+        )
+        .unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("backends[0].ca_file"), "{err}");
     }
 
     #[test]
@@ -636,6 +665,7 @@ mod shipped {
         assert_eq!(c.forward.retry_budget_min, d.forward.retry_budget_min);
         assert_eq!(c.forward.backoff_base_ms, d.forward.backoff_base_ms);
         assert_eq!(c.forward.backoff_max_ms, d.forward.backoff_max_ms);
+        assert_eq!(c.forward.ca_file, d.forward.ca_file);
         assert_eq!(c.limits.max_inflight, d.limits.max_inflight);
         assert_eq!(
             c.limits.max_inflight_per_backend,

@@ -13,8 +13,9 @@
 //! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
 //!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
 //!   let the prefix scorer remember where each prompt went.
-//! * [`forward`] — hyper client with pooled keep-alive connections; streams the response back
-//!   frame by frame and releases the backend's in-flight count when the body ends.
+//! * [`forward`] — hyper client with pooled keep-alive connections, plain TCP or TLS
+//!   (`forward::tls`: rustls, per-CA client settings); streams the response back frame by frame
+//!   and releases the backend's in-flight count when the body ends.
 //!
 //! Beside the request path:
 //!
