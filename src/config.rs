@@ -452,8 +452,18 @@ impl Config {
                 "must be a number ≥ 0",
             ));
         }
-        if !(self.auth.burst >= 0.0 && self.auth.burst.is_finite()) {
-            return Err(ConfigError::invalid("auth.burst", "must be a number ≥ 0"));
+        let rps = self.auth.requests_per_second;
+        if rps > 0.0 && rps < crate::front_door::auth::MIN_REQUESTS_PER_SECOND {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be 0 (no limit) or at least one request per day (1/86400)",
+            ));
+        }
+        if !(self.auth.burst >= 0.0 && self.auth.burst <= crate::front_door::auth::MAX_BURST) {
+            return Err(ConfigError::invalid(
+                "auth.burst",
+                "must be a number within 0..=100000",
+            ));
         }
         for (field, v) in [
             (
