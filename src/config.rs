@@ -115,6 +115,8 @@ pub struct ServerConfig {
     pub shutdown_timeout_ms: u64,
     /// Deepest JSON nesting accepted in a request body (400 above it).
     pub max_json_depth: usize,
+    /// Largest request line plus headers, in bytes (431 above it); at least 8192.
+    pub max_header_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -124,6 +126,7 @@ impl Default for ServerConfig {
             body_read_timeout_ms: 30_000,
             shutdown_timeout_ms: 30_000,
             max_json_depth: 64,
+            max_header_bytes: 65_536,
         }
     }
 }
@@ -140,6 +143,9 @@ pub struct LimitsConfig {
     pub max_queued: usize,
     /// How long a request may wait for capacity before 429.
     pub queue_timeout_ms: u64,
+    /// Client connections open at once on each listener (0 = no limit); more are closed on
+    /// arrival.
+    pub max_connections: usize,
 }
 
 impl Default for LimitsConfig {
@@ -149,6 +155,7 @@ impl Default for LimitsConfig {
             max_inflight_per_backend: 0,
             max_queued: 1024,
             queue_timeout_ms: 10_000,
+            max_connections: 10_000,
         }
     }
 }
@@ -491,6 +498,15 @@ impl Config {
                 return Err(ConfigError::invalid(field, "must be greater than 0"));
             }
         }
+        if self.server.max_header_bytes < crate::front_door::serve::MIN_HEADER_BYTES {
+            return Err(ConfigError::invalid(
+                "server.max_header_bytes",
+                format!(
+                    "must be at least {}",
+                    crate::front_door::serve::MIN_HEADER_BYTES
+                ),
+            ));
+        }
         if self.server.max_json_depth == 0 {
             return Err(ConfigError::invalid(
                 "server.max_json_depth",
@@ -665,6 +681,8 @@ mod shipped {
         assert_eq!(c.server.body_read_timeout_ms, d.server.body_read_timeout_ms);
         assert_eq!(c.server.shutdown_timeout_ms, d.server.shutdown_timeout_ms);
         assert_eq!(c.server.max_json_depth, d.server.max_json_depth);
+        assert_eq!(c.server.max_header_bytes, d.server.max_header_bytes);
+        assert_eq!(c.limits.max_connections, d.limits.max_connections);
         assert_eq!(
             c.forward.stream_idle_timeout_ms,
             d.forward.stream_idle_timeout_ms

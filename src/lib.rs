@@ -124,6 +124,8 @@ pub async fn run(
     let options = front_door::serve::ServeOptions {
         header_read_timeout: Duration::from_millis(config.server.header_read_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.server.shutdown_timeout_ms),
+        max_header_bytes: config.server.max_header_bytes,
+        max_connections: config.limits.max_connections,
     };
     let main_router = front_door::router(Arc::clone(&state), listeners.admin.is_none());
     let admin = listeners.admin.map(|listener| {

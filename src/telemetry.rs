@@ -28,6 +28,7 @@ pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
 pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_seconds";
 pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
+pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -49,6 +50,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
+    (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
 ];
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();

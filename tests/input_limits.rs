@@ -6,8 +6,67 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Everything the router sends on `stream` until it closes it, or what arrived within 10 s.
+async fn read_until_close(stream: &mut TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return out,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// A chat request head with one `x-pad` header, `total` bytes long up to (not including) the
+/// blank line that would end it.
+fn padded_head(total: usize) -> Vec<u8> {
+    let start = b"POST /v1/chat/completions HTTP/1.1\r\nhost: inferlb\r\nx-pad: ".to_vec();
+    let mut head = start;
+    head.resize(total, b'a');
+    head
+}
+
+/// `GET path` on fresh connections until one is answered 200 (within 10 s); the answer.
+async fn get_when_served(router: &TestRouter, path: &str) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut s = TcpStream::connect(router.addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nhost: inferlb\r\nconnection: close\r\n\r\n");
+        let _ = s.write_all(request.as_bytes()).await;
+        let answer = read_until_close(&mut s).await;
+        if answer.starts_with(b"HTTP/1.1 200") {
+            return String::from_utf8_lossy(&answer).into_owned();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no connection slot came free"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+/// One complete `GET /health` on a fresh connection; the raw answer.
+async fn get_health(stream: &mut TcpStream) -> Vec<u8> {
+    stream
+        .write_all(b"GET /health HTTP/1.1\r\nhost: inferlb\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+        .await
+        .expect("an answer")
+        .unwrap();
+    buf.truncate(n);
+    buf
+}
 
 /// POST `body` as JSON to `path`; (status, headers, body as JSON).
 async fn post_json(
@@ -59,5 +118,97 @@ async fn rate_limit_per_client_ip_answers_429_with_retry_after() {
         2,
         "the limited request never reached the backend"
     );
+    router.shutdown().await;
+}
+
+#[tokio::test]
+async fn oversized_request_head_gets_431_and_reaches_no_backend() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let mut cfg = config(&[&b]);
+    cfg.server.max_header_bytes = 16_384;
+    // Far beyond the test's own 10 s read deadline: a router without the limit would wait for
+    // the rest of the head, not answer.
+    cfg.server.header_read_timeout_ms = 60_000;
+    let router = start_router(cfg).await;
+
+    // A head that is still incomplete at the limit: exactly the limit's worth of bytes, so the
+    // router has read everything sent when it answers (no reset discards the answer).
+    let mut s = TcpStream::connect(router.addr).await.unwrap();
+    s.write_all(&padded_head(16_384)).await.unwrap();
+    let answer = read_until_close(&mut s).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 431"),
+        "expected 431, got {:?}",
+        text.chars().take(200).collect::<String>()
+    );
+
+    // Under the limit, the same shape goes through.
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+    let mut head = padded_head(12_000);
+    head.extend_from_slice(
+        format!(
+            "\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    head.extend_from_slice(body);
+    let mut s = TcpStream::connect(router.addr).await.unwrap();
+    s.write_all(&head).await.unwrap();
+    let answer = read_until_close(&mut s).await;
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&answer[..answer.len().min(200)])
+    );
+    assert_eq!(
+        b.state.completions.load(Ordering::Relaxed),
+        1,
+        "only the request under the limit reached the backend"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_are_closed_at_once() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let mut cfg = config(&[&b]);
+    cfg.limits.max_connections = 2;
+    cfg.server.header_read_timeout_ms = 60_000;
+    let router = start_router(cfg).await;
+
+    // Two keep-alive connections, each proven accepted and served.
+    let mut first = TcpStream::connect(router.addr).await.unwrap();
+    let mut second = TcpStream::connect(router.addr).await.unwrap();
+    assert!(get_health(&mut first).await.starts_with(b"HTTP/1.1 200"));
+    assert!(get_health(&mut second).await.starts_with(b"HTTP/1.1 200"));
+
+    // A third is closed without an answer, well before any timeout of the router's.
+    let mut third = TcpStream::connect(router.addr).await.unwrap();
+    let _ = third
+        .write_all(b"GET /health HTTP/1.1\r\nhost: inferlb\r\n\r\n")
+        .await;
+    let started = tokio::time::Instant::now();
+    let answer = read_until_close(&mut third).await;
+    assert!(
+        answer.is_empty(),
+        "over the cap: {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "closed promptly"
+    );
+    // Closing one frees its slot: a new connection is served again once the router has seen
+    // the close (each try is a real connection; no sleeping). The refusal was counted.
+    drop(first);
+    let page = get_when_served(&router, "/metrics").await;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("inferlb_connections_refused_total ")),
+        "{page}"
+    );
+    drop(second);
     router.shutdown().await;
 }
