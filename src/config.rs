@@ -146,6 +146,8 @@ pub struct LimitsConfig {
     /// Client connections open at once on each listener (0 = no limit); more are closed on
     /// arrival.
     pub max_connections: usize,
+    /// Most messages in one chat request (400 above it); at most 100000.
+    pub max_messages: usize,
 }
 
 impl Default for LimitsConfig {
@@ -156,6 +158,7 @@ impl Default for LimitsConfig {
             max_queued: 1024,
             queue_timeout_ms: 10_000,
             max_connections: 10_000,
+            max_messages: 10_000,
         }
     }
 }
@@ -507,6 +510,12 @@ impl Config {
                 ),
             ));
         }
+        if !(1..=crate::prompt::MAX_MESSAGES_CEILING).contains(&self.limits.max_messages) {
+            return Err(ConfigError::invalid(
+                "limits.max_messages",
+                format!("must be within 1..={}", crate::prompt::MAX_MESSAGES_CEILING),
+            ));
+        }
         if self.server.max_json_depth == 0 {
             return Err(ConfigError::invalid(
                 "server.max_json_depth",
@@ -683,6 +692,7 @@ mod shipped {
         assert_eq!(c.server.max_json_depth, d.server.max_json_depth);
         assert_eq!(c.server.max_header_bytes, d.server.max_header_bytes);
         assert_eq!(c.limits.max_connections, d.limits.max_connections);
+        assert_eq!(c.limits.max_messages, d.limits.max_messages);
         assert_eq!(
             c.forward.stream_idle_timeout_ms,
             d.forward.stream_idle_timeout_ms

@@ -212,3 +212,117 @@ async fn connections_beyond_the_cap_are_closed_at_once() {
     drop(second);
     router.shutdown().await;
 }
+
+#[tokio::test]
+async fn invalid_openai_fields_get_400_naming_the_param_before_any_backend() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let mut cfg = config(&[&b]);
+    cfg.limits.max_messages = 5;
+    let router = start_router(cfg).await;
+    let msg = serde_json::json!({"role": "user", "content": "x"});
+    let chat = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({"model": "m", "messages": [msg.clone()]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    // The backend serves well-formed requests: the refusals below are the router's own.
+    let (status, _, v) = post_json(
+        &router,
+        "/v1/chat/completions",
+        &chat(serde_json::json!({})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let served = b.state.completions.load(Ordering::Relaxed);
+
+    let parts = |part: serde_json::Value| serde_json::json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]});
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat(parts(serde_json::json!({"type": "text"}))),
+            "messages[0].content[1].text",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(parts(
+                serde_json::json!({"type": "image_url", "image_url": {"detail": "low"}}),
+            )),
+            "messages[0].content[1].image_url",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(parts(
+                serde_json::json!({"type": "input_audio", "input_audio": {"format": "wav"}}),
+            )),
+            "messages[0].content[1].input_audio",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"temperature": -1})),
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"top_p": 1.5})),
+            "top_p",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"n": 0})),
+            "n",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"max_tokens": -3})),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"max_tokens": 2.5})),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(serde_json::json!({"messages": vec![msg.clone(); 6]})),
+            "messages",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "m", "prompt": [1, "two"]}),
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "m", "prompt": {"text": "x"}}),
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "m", "prompt": "x", "frequency_penalty": 9}),
+            "frequency_penalty",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (status, _, v) = post_json(&router, path, &body).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_openai_error(&v);
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+    }
+    // Exactly at the message limit is fine.
+    let (status, _, v) = post_json(
+        &router,
+        "/v1/chat/completions",
+        &chat(serde_json::json!({"messages": vec![msg.clone(); 5]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        b.state.completions.load(Ordering::Relaxed),
+        served + 1,
+        "no refused request reached the backend"
+    );
+    router.shutdown().await;
+}

@@ -156,7 +156,10 @@ async fn forward(
         .get(&app.session_header)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let view = RequestView::parse(operation, &body)?.with_session(session);
+    let limits = crate::prompt::ParseLimits {
+        max_messages: app.config.limits.max_messages,
+    };
+    let view = RequestView::parse_with(operation, &body, &limits)?.with_session(session);
     let request_id = parts
         .headers
         .get("x-request-id")
