@@ -9,7 +9,9 @@
 //! * [`front_door`] — axum routes: `/v1/*`, `/health`, `/ready`, `/metrics`, `/admin/backends`.
 //!   Reads the body once, bounded, and turns every failure into OpenAI's error JSON via [`error`].
 //! * [`prompt`] — parses the body once into a [`prompt::RequestView`]: model, stream flag and a
-//!   deterministic *routing text* rendered from the messages or prompt.
+//!   deterministic *routing text* rendered from the messages or prompt, checking the fields it
+//!   reads on the way (`prompt::fields`); multipart audio forms yield their `model` field only
+//!   (`prompt::multipart`).
 //! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
 //!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
 //!   let the prefix scorer remember where each prompt went.

@@ -21,6 +21,7 @@
 //! the field.
 
 pub mod fields;
+pub mod multipart;
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -104,6 +105,19 @@ impl RequestView {
             Operation::ChatCompletions => parse_chat(body, limits),
             Operation::Completions => parse_completions(body),
             Operation::Other => parse_other(body),
+        }
+    }
+
+    /// A `multipart/form-data` request (audio): routed by its `model` form field when a
+    /// bounded scan finds one, else by load alone.
+    pub fn multipart(body: &[u8], boundary: &str) -> Self {
+        RequestView {
+            operation: Operation::Other,
+            model: multipart::model_field(body, boundary),
+            stream: false,
+            user: None,
+            session: None,
+            routing_text: None,
         }
     }
 
