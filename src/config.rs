@@ -257,7 +257,7 @@ impl PollerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ForwardConfig {
-    /// TCP connect timeout per attempt.
+    /// Connect timeout per attempt: TCP connect plus the TLS handshake for `https://` backends.
     pub connect_timeout_ms: u64,
     /// Time allowed for the backend's response headers (non-streaming requests send headers
     /// only when generation ends, so this bounds a whole generation).
