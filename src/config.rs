@@ -112,6 +112,8 @@ pub struct ServerConfig {
     pub shutdown_timeout_ms: u64,
     /// Deepest JSON nesting accepted in a request body (400 above it).
     pub max_json_depth: usize,
+    /// Largest request line plus headers, in bytes (431 above it); at least 8192.
+    pub max_header_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -121,6 +123,7 @@ impl Default for ServerConfig {
             body_read_timeout_ms: 30_000,
             shutdown_timeout_ms: 30_000,
             max_json_depth: 64,
+            max_header_bytes: 65_536,
         }
     }
 }
@@ -137,6 +140,11 @@ pub struct LimitsConfig {
     pub max_queued: usize,
     /// How long a request may wait for capacity before 429.
     pub queue_timeout_ms: u64,
+    /// Client connections open at once on each listener (0 = no limit); more are closed on
+    /// arrival.
+    pub max_connections: usize,
+    /// Most messages in one chat request (400 above it); at most 100000.
+    pub max_messages: usize,
 }
 
 impl Default for LimitsConfig {
@@ -146,6 +154,8 @@ impl Default for LimitsConfig {
             max_inflight_per_backend: 0,
             max_queued: 1024,
             queue_timeout_ms: 10_000,
+            max_connections: 10_000,
+            max_messages: 10_000,
         }
     }
 }
@@ -248,7 +258,7 @@ impl PollerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ForwardConfig {
-    /// TCP connect timeout per attempt.
+    /// Connect timeout per attempt: TCP connect plus the TLS handshake for `https://` backends.
     pub connect_timeout_ms: u64,
     /// Time allowed for the backend's response headers (non-streaming requests send headers
     /// only when generation ends, so this bounds a whole generation).
@@ -277,6 +287,9 @@ pub struct ForwardConfig {
     /// Backoff before retry n: min(max, base × 2ⁿ) × a random factor in [0.5, 1.5).
     pub backoff_base_ms: u64,
     pub backoff_max_ms: u64,
+    /// PEM file of the CAs trusted for `https://` backends without a `ca_file` of their own
+    /// (unset: the built-in Mozilla roots).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ForwardConfig {
@@ -296,6 +309,7 @@ impl Default for ForwardConfig {
             retry_budget_window_ms: 10_000,
             backoff_base_ms: 20,
             backoff_max_ms: 500,
+            ca_file: None,
         }
     }
 }
@@ -315,6 +329,9 @@ pub struct BackendConfig {
     /// Served models; when set, `/v1/models` discovery is skipped for this backend.
     #[serde(default)]
     pub models: Option<Vec<String>>,
+    /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 fn default_engine() -> String {
@@ -328,6 +345,7 @@ impl BackendConfig {
             engine: default_engine(),
             api_key: None,
             models: None,
+            ca_file: None,
         }
     }
 }
@@ -395,8 +413,14 @@ impl Config {
             ));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            crate::endpoints::parse_base_url(&b.url)
+            let (scheme, _) = crate::endpoints::parse_base_url(&b.url)
                 .map_err(|m| ConfigError::invalid(format!("backends[{i}].url"), m))?;
+            if b.ca_file.is_some() && scheme != http::uri::Scheme::HTTPS {
+                return Err(ConfigError::invalid(
+                    format!("backends[{i}].ca_file"),
+                    "set on a backend whose URL is not https://",
+                ));
+            }
             if self.engine(&b.engine).is_none() {
                 return Err(ConfigError::invalid(
                     format!("backends[{i}].engine"),
@@ -460,8 +484,18 @@ impl Config {
                 "must be a number ≥ 0",
             ));
         }
-        if !(self.auth.burst >= 0.0 && self.auth.burst.is_finite()) {
-            return Err(ConfigError::invalid("auth.burst", "must be a number ≥ 0"));
+        let rps = self.auth.requests_per_second;
+        if rps > 0.0 && rps < crate::front_door::auth::MIN_REQUESTS_PER_SECOND {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be 0 (no limit) or at least one request per day (1/86400)",
+            ));
+        }
+        if !(self.auth.burst >= 0.0 && self.auth.burst <= crate::front_door::auth::MAX_BURST) {
+            return Err(ConfigError::invalid(
+                "auth.burst",
+                "must be a number within 0..=100000",
+            ));
         }
         for (field, v) in [
             (
@@ -488,6 +522,21 @@ impl Config {
             if v == 0 {
                 return Err(ConfigError::invalid(field, "must be greater than 0"));
             }
+        }
+        if self.server.max_header_bytes < crate::front_door::serve::MIN_HEADER_BYTES {
+            return Err(ConfigError::invalid(
+                "server.max_header_bytes",
+                format!(
+                    "must be at least {}",
+                    crate::front_door::serve::MIN_HEADER_BYTES
+                ),
+            ));
+        }
+        if !(1..=crate::prompt::MAX_MESSAGES_CEILING).contains(&self.limits.max_messages) {
+            return Err(ConfigError::invalid(
+                "limits.max_messages",
+                format!("must be within 1..={}", crate::prompt::MAX_MESSAGES_CEILING),
+            ));
         }
         if self.server.max_json_depth == 0 {
             return Err(ConfigError::invalid(
@@ -553,11 +602,26 @@ mod tests {
             "http://",
             "http://h:1/path",
             "http://h:99999",
+            "https://user:pw@h:1",
         ] {
             let c = Config::from_toml(&format!("[[backends]]\nurl = \"{url}\"\n"), "t").unwrap();
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains("backends[0].url"), "{url}: {err}");
         }
+    }
+
+    #[test]
+    fn https_backends_are_accepted_and_ca_file_needs_https() {
+        let c =
+            Config::from_toml("[[backends]]\nurl = \"https://vllm.example:8443\"\n", "t").unwrap();
+        c.validate().unwrap();
+        let c = Config::from_toml(
+            "[[backends]]\nurl = \"http://h:1\"\nca_file = \"/etc/ca.pem\"\n",
+            "t",
+        )
+        .unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("backends[0].ca_file"), "{err}");
     }
 
     #[test]
@@ -646,6 +710,9 @@ mod shipped {
         assert_eq!(c.server.body_read_timeout_ms, d.server.body_read_timeout_ms);
         assert_eq!(c.server.shutdown_timeout_ms, d.server.shutdown_timeout_ms);
         assert_eq!(c.server.max_json_depth, d.server.max_json_depth);
+        assert_eq!(c.server.max_header_bytes, d.server.max_header_bytes);
+        assert_eq!(c.limits.max_connections, d.limits.max_connections);
+        assert_eq!(c.limits.max_messages, d.limits.max_messages);
         assert_eq!(
             c.forward.stream_idle_timeout_ms,
             d.forward.stream_idle_timeout_ms
@@ -663,6 +730,7 @@ mod shipped {
         );
         assert_eq!(c.forward.backoff_base_ms, d.forward.backoff_base_ms);
         assert_eq!(c.forward.backoff_max_ms, d.forward.backoff_max_ms);
+        assert_eq!(c.forward.ca_file, d.forward.ca_file);
         assert_eq!(c.limits.max_inflight, d.limits.max_inflight);
         assert_eq!(
             c.limits.max_inflight_per_backend,

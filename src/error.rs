@@ -17,6 +17,10 @@ pub enum Error {
     /// A required field (`messages`, `prompt`) is missing.
     #[error("missing required field `{0}`")]
     MissingField(&'static str),
+    /// A field the router checks has a value no backend would accept (out of range, the wrong
+    /// shape, a content part without its payload, too many messages).
+    #[error("{message}")]
+    InvalidParam { param: String, message: String },
     /// The body is larger than `max_body_bytes`.
     #[error("request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
@@ -71,9 +75,10 @@ impl Error {
     /// HTTP status, OpenAI error `type` and `code` for this error.
     pub fn parts(&self) -> (StatusCode, &'static str, Option<&'static str>) {
         match self {
-            Error::InvalidRequest(_) | Error::MissingField(_) | Error::BodyRead(_) => {
-                (StatusCode::BAD_REQUEST, "invalid_request_error", None)
-            }
+            Error::InvalidRequest(_)
+            | Error::MissingField(_)
+            | Error::InvalidParam { .. }
+            | Error::BodyRead(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
             Error::BodyTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
@@ -132,6 +137,7 @@ impl Error {
     fn param(&self) -> Option<&str> {
         match self {
             Error::MissingField(field) => Some(field),
+            Error::InvalidParam { param, .. } => Some(param),
             Error::ModelNotFound(_) | Error::NoHealthyBackend(_) => Some("model"),
             _ => None,
         }
@@ -210,6 +216,13 @@ mod tests {
         let cases = [
             (Error::InvalidRequest("bad".into()), 400),
             (Error::MissingField("messages"), 400),
+            (
+                Error::InvalidParam {
+                    param: "temperature".into(),
+                    message: "`temperature` must be ≥ 0".into(),
+                },
+                400,
+            ),
             (Error::BodyTooLarge { limit: 10 }, 413),
             (Error::ModelNotFound("m".into()), 404),
             (Error::NoHealthyBackend("m".into()), 503),

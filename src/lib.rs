@@ -9,12 +9,15 @@
 //! * [`front_door`] — axum routes: `/v1/*`, `/health`, `/ready`, `/metrics`, `/admin/backends`.
 //!   Reads the body once, bounded, and turns every failure into OpenAI's error JSON via [`error`].
 //! * [`prompt`] — parses the body once into a [`prompt::RequestView`]: model, stream flag and a
-//!   deterministic *routing text* rendered from the messages or prompt.
+//!   deterministic *routing text* rendered from the messages or prompt, checking the fields it
+//!   reads on the way (`prompt::fields`); multipart audio forms yield their `model` field only
+//!   (`prompt::multipart`).
 //! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
 //!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
 //!   let the prefix scorer remember where each prompt went.
-//! * [`forward`] — hyper client with pooled keep-alive connections; streams the response back
-//!   frame by frame and releases the backend's in-flight count when the body ends.
+//! * [`forward`] — hyper client with pooled keep-alive connections, plain TCP or TLS
+//!   (`forward::tls`: rustls, per-CA client settings); streams the response back frame by frame
+//!   and releases the backend's in-flight count when the body ends.
 //!
 //! Beside the request path:
 //!
@@ -126,6 +129,8 @@ pub async fn run(
     let options = front_door::serve::ServeOptions {
         header_read_timeout: Duration::from_millis(config.server.header_read_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.server.shutdown_timeout_ms),
+        max_header_bytes: config.server.max_header_bytes,
+        max_connections: config.limits.max_connections,
     };
     let main_router = front_door::router(Arc::clone(&state), listeners.admin.is_none());
     let admin = listeners.admin.map(|listener| {

@@ -36,6 +36,7 @@ pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
+pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -61,6 +62,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (QUEUE_WAIT, "Time requests waited in the router's queue before being dispatched or refused."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
+    (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
 ];
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();

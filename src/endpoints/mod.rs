@@ -26,9 +26,12 @@ use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 
 use crate::config::{BackendConfig, Config, ConfigError};
+use crate::forward::pool::Connector;
+use crate::forward::tls::ClientConfigs;
 use engine::{EngineMetricNames, LoadMetrics};
 
-/// Parse a backend base URL: `http://host:port`, no path, query or credentials.
+/// Parse a backend base URL: `http://host:port` or `https://host:port`, no path, query or
+/// credentials.
 pub fn parse_base_url(url: &str) -> Result<(Scheme, Authority), String> {
     let uri: http::Uri = url
         .parse()
@@ -36,9 +39,11 @@ pub fn parse_base_url(url: &str) -> Result<(Scheme, Authority), String> {
     let scheme = uri
         .scheme()
         .cloned()
-        .ok_or_else(|| format!("`{url}` has no scheme (use http://)"))?;
-    if scheme != Scheme::HTTP {
-        return Err(format!("`{url}`: only http:// backends are supported"));
+        .ok_or_else(|| format!("`{url}` has no scheme (use http:// or https://)"))?;
+    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+        return Err(format!(
+            "`{url}`: only http:// and https:// backends are supported"
+        ));
     }
     let authority = uri
         .authority()
@@ -124,6 +129,8 @@ pub struct Backend {
     pub name: String,
     pub scheme: Scheme,
     pub authority: Authority,
+    /// Opens connections to it: plain TCP, or TLS for `https://`.
+    pub connector: Connector,
     pub engine: EngineMetricNames,
     /// `Bearer <key>`, ready to send.
     pub authorization: Option<HeaderValue>,
@@ -143,9 +150,24 @@ impl Backend {
         config: &BackendConfig,
         engine: EngineMetricNames,
         waiters: Arc<Waiters>,
+        tls: &mut ClientConfigs,
     ) -> Result<Self, ConfigError> {
         let (scheme, authority) = parse_base_url(&config.url)
             .map_err(|m| ConfigError::invalid(format!("backends[{id}].url"), m))?;
+        let connector = if scheme == Scheme::HTTPS {
+            let field = if config.ca_file.is_some() {
+                format!("backends[{id}].ca_file")
+            } else {
+                "forward.ca_file".to_owned()
+            };
+            let client = tls
+                .get(config.ca_file.as_deref())
+                .map_err(|e| ConfigError::invalid(field, e.to_string()))?;
+            Connector::tls(authority.clone(), client)
+                .map_err(|m| ConfigError::invalid(format!("backends[{id}].url"), m))?
+        } else {
+            Connector::plain(authority.clone())
+        };
         let authorization = config
             .api_key
             .as_ref()
@@ -168,6 +190,7 @@ impl Backend {
             name,
             scheme,
             authority,
+            connector,
             engine,
             authorization,
             static_models: config.models.is_some(),
@@ -250,6 +273,7 @@ pub struct Pool {
 impl Pool {
     pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
         let waiters = Arc::new(Waiters::default());
+        let mut tls = ClientConfigs::new(config.forward.ca_file.clone());
         let backends = config
             .backends
             .iter()
@@ -261,7 +285,7 @@ impl Pool {
                         format!("unknown engine `{}`", b.engine),
                     )
                 })?;
-                Backend::new(i, b, engine, Arc::clone(&waiters)).map(Arc::new)
+                Backend::new(i, b, engine, Arc::clone(&waiters), &mut tls).map(Arc::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Pool {
@@ -432,6 +456,7 @@ pub(crate) mod test_support {
                         &cfg,
                         EngineMetricNames::builtin("vllm").unwrap(),
                         Arc::clone(&waiters),
+                        &mut ClientConfigs::default(),
                     )
                     .unwrap(),
                 )

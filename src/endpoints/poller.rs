@@ -392,7 +392,7 @@ impl Poller {
                     return Ok((conn, answer));
                 }
             }
-            let mut conn = pool::connect(&backend.authority, timeout).await?;
+            let mut conn = backend.connector.connect(timeout).await?;
             let answer = conn.fetch(make(), MAX_BODY).await?;
             Ok::<_, pool::ConnError>((conn, answer))
         };
@@ -406,6 +406,7 @@ impl Poller {
             Ok(Err(e)) => {
                 let kind = match e {
                     pool::ConnError::TooLarge(_) => "parse",
+                    pool::ConnError::Tls { .. } => "tls",
                     _ => "connect",
                 };
                 return Err(FetchError {

@@ -9,6 +9,7 @@
 pub mod body;
 pub mod headers;
 pub mod pool;
+pub mod tls;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -149,12 +150,12 @@ impl tower::Service<Dispatch> for Forwarder {
             let exchange = async {
                 let (mut conn, reused) = this
                     .pool
-                    .checkout(d.backend.id, &d.backend.authority)
+                    .checkout(d.backend.id, &d.backend.connector)
                     .await?;
                 let response = pool::send_with_reconnect(
                     &mut conn,
                     reused,
-                    &d.backend.authority,
+                    &d.backend.connector,
                     this.pool.connect_timeout,
                     request,
                     || this.build_request(&d).ok(),
@@ -179,7 +180,14 @@ impl tower::Service<Dispatch> for Forwarder {
                     });
                 }
                 Ok(Err(e)) => {
-                    attempt_failed(&backend, if e.is_connect() { "connect" } else { "io" });
+                    attempt_failed(
+                        &backend,
+                        match e {
+                            pool::ConnError::Tls { .. } => "tls",
+                            _ if e.is_connect() => "connect",
+                            _ => "io",
+                        },
+                    );
                     this.backends.report_failure(&backend, &this.outlier);
                     let reason = std::error::Error::source(&e)
                         .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));

@@ -16,9 +16,13 @@
 //! met. A connection is returned only when its response was read to the end; anything else
 //! (client gone, error, deadline) drops it, which closes the socket — the signal vLLM takes to
 //! abort the generation.
+//!
+//! A connection is plain TCP or TLS ([`Stream`]); a backend's [`Connector`] knows which, so
+//! the pool, the forwarder and the poller never look at the scheme.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
@@ -31,17 +35,24 @@ use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
 
 use crate::telemetry as t;
 
-type Driver = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
+type Driver = http1::Connection<TokioIo<Stream>, Full<Bytes>>;
 
 /// Why a connection could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
     #[error("connect to {authority}: {reason}")]
     Connect { authority: String, reason: String },
+    /// The TLS handshake failed (for instance, a certificate no trusted CA signed).
+    #[error("TLS handshake with {authority}: {reason}")]
+    Tls { authority: String, reason: String },
     /// The connection closed before the request was written: sending it again is safe.
     #[error("the connection closed before the request was sent")]
     NotSent,
@@ -54,20 +65,187 @@ pub enum ConnError {
 }
 
 impl ConnError {
+    /// No connection was made: nothing was sent, another backend may be tried.
     pub fn is_connect(&self) -> bool {
-        matches!(self, ConnError::Connect { .. })
+        matches!(self, ConnError::Connect { .. } | ConnError::Tls { .. })
     }
 }
 
-/// Where to connect for a backend's authority: host (IPv6 without brackets) and port (80 when
-/// the URL names none).
-pub fn target(authority: &Authority) -> (&str, u16) {
+/// The host of an authority as a connect target: IPv6 without brackets.
+fn host(authority: &Authority) -> &str {
     let host = authority.host();
-    let host = host
-        .strip_prefix('[')
+    host.strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    (host, authority.port_u16().unwrap_or(80))
+        .unwrap_or(host)
+}
+
+/// Where to connect for a backend's authority: host (IPv6 without brackets) and port
+/// (`default_port` when the URL names none).
+pub fn target(authority: &Authority, default_port: u16) -> (&str, u16) {
+    (
+        host(authority),
+        authority.port_u16().unwrap_or(default_port),
+    )
+}
+
+/// A backend connection's byte stream: plain TCP or TLS over TCP.
+pub enum Stream {
+    Plain(TcpStream),
+    /// Boxed: a TLS session is a few hundred bytes of state the plain variant need not carry.
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// TLS settings of one backend: the client configuration and the name its certificate must
+/// carry (sent as SNI when it is a DNS name).
+#[derive(Clone)]
+struct TlsTarget {
+    connector: TlsConnector,
+    server_name: ServerName<'static>,
+}
+
+/// How to open a connection to one backend: where, and whether through TLS.
+#[derive(Clone)]
+pub struct Connector {
+    authority: Authority,
+    tls: Option<TlsTarget>,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("authority", &self.authority)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+impl Connector {
+    /// Plain TCP (`http://`).
+    pub fn plain(authority: Authority) -> Self {
+        Connector {
+            authority,
+            tls: None,
+        }
+    }
+
+    /// TLS (`https://`), verifying the server's certificate against `config`'s roots for the
+    /// authority's host, which is also the SNI name.
+    pub fn tls(authority: Authority, config: Arc<rustls::ClientConfig>) -> Result<Self, String> {
+        let server_name = ServerName::try_from(host(&authority).to_owned())
+            .map_err(|e| format!("`{}` is not a valid TLS server name: {e}", authority.host()))?;
+        Ok(Connector {
+            authority,
+            tls: Some(TlsTarget {
+                connector: TlsConnector::from(config),
+                server_name,
+            }),
+        })
+    }
+
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Open a connection within `timeout` (TCP connect and TLS handshake together).
+    pub async fn connect(&self, timeout: Duration) -> Result<Conn, ConnError> {
+        let authority = &self.authority;
+        let failed = |reason: String| ConnError::Connect {
+            authority: authority.to_string(),
+            reason,
+        };
+        let default_port = if self.tls.is_some() { 443 } else { 80 };
+        let open = async {
+            let tcp = TcpStream::connect(target(authority, default_port))
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            tcp.set_nodelay(true).map_err(|e| failed(e.to_string()))?;
+            let Some(tls) = &self.tls else {
+                return Ok(Stream::Plain(tcp));
+            };
+            let stream = tls
+                .connector
+                .connect(tls.server_name.clone(), tcp)
+                .await
+                .map_err(|e| ConnError::Tls {
+                    authority: authority.to_string(),
+                    reason: e.to_string(),
+                })?;
+            Ok::<_, ConnError>(Stream::Tls(Box::new(stream)))
+        };
+        let stream = tokio::time::timeout(timeout, open)
+            .await
+            .map_err(|_| failed(format!("timed out after {timeout:?}")))??;
+        let (send, driver) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        metrics::counter!(t::UPSTREAM_CONNECTIONS_OPENED).increment(1);
+        Ok(Conn {
+            send,
+            driver: Some(driver),
+        })
+    }
 }
 
 /// One HTTP/1.1 connection: the request sender and the state machine that must be polled for
@@ -170,29 +348,6 @@ impl Conn {
     }
 }
 
-/// Open a connection to `authority` within `timeout`.
-pub async fn connect(authority: &Authority, timeout: Duration) -> Result<Conn, ConnError> {
-    let failed = |reason: String| ConnError::Connect {
-        authority: authority.to_string(),
-        reason,
-    };
-    let stream = tokio::time::timeout(timeout, TcpStream::connect(target(authority)))
-        .await
-        .map_err(|_| failed(format!("timed out after {timeout:?}")))?
-        .map_err(|e| failed(e.to_string()))?;
-    stream
-        .set_nodelay(true)
-        .map_err(|e| failed(e.to_string()))?;
-    let (send, driver) = http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    metrics::counter!(t::UPSTREAM_CONNECTIONS_OPENED).increment(1);
-    Ok(Conn {
-        send,
-        driver: Some(driver),
-    })
-}
-
 /// Send `request` over `conn`, or over a fresh connection when `conn` came from a pool and
 /// turns out to have been closed by the backend before the request left (`rebuild` makes the
 /// request again). Keep-alive servers close idle connections on their own schedule; such a
@@ -200,7 +355,7 @@ pub async fn connect(authority: &Authority, timeout: Duration) -> Result<Conn, C
 pub async fn send_with_reconnect(
     conn: &mut Conn,
     reused: bool,
-    authority: &Authority,
+    connector: &Connector,
     connect_timeout: Duration,
     request: Request<Full<Bytes>>,
     rebuild: impl FnOnce() -> Option<Request<Full<Bytes>>>,
@@ -208,7 +363,7 @@ pub async fn send_with_reconnect(
     match conn.send(request).await {
         Err(ConnError::NotSent) if reused => {
             let request = rebuild().ok_or(ConnError::NotSent)?;
-            *conn = connect(authority, connect_timeout).await?;
+            *conn = connector.connect(connect_timeout).await?;
             conn.send(request).await
         }
         other => other,
@@ -243,7 +398,7 @@ impl ConnPool {
     pub async fn checkout(
         &self,
         backend: usize,
-        authority: &Authority,
+        connector: &Connector,
     ) -> Result<(Conn, bool), ConnError> {
         loop {
             let idle = {
@@ -255,7 +410,7 @@ impl ConnPool {
                 return Ok((idle.conn, true));
             }
         }
-        Ok((connect(authority, self.connect_timeout).await?, false))
+        Ok((connector.connect(self.connect_timeout).await?, false))
     }
 
     /// Give back a connection whose response was read to the end. Connections idle past the
@@ -301,12 +456,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn connect_target_defaults_port_80_and_unbrackets_ipv6() {
+    fn connect_target_defaults_the_port_and_unbrackets_ipv6() {
         let a: Authority = "vllm.internal".parse().unwrap();
-        assert_eq!(target(&a), ("vllm.internal", 80));
+        assert_eq!(target(&a, 80), ("vllm.internal", 80));
+        assert_eq!(target(&a, 443), ("vllm.internal", 443));
         let a: Authority = "127.0.0.1:8000".parse().unwrap();
-        assert_eq!(target(&a), ("127.0.0.1", 8000));
+        assert_eq!(target(&a, 443), ("127.0.0.1", 8000));
         let a: Authority = "[::1]:9000".parse().unwrap();
-        assert_eq!(target(&a), ("::1", 9000));
+        assert_eq!(target(&a, 80), ("::1", 9000));
+    }
+
+    #[test]
+    fn tls_server_name_is_the_host() {
+        let config = crate::forward::tls::client_config(None).unwrap();
+        let c = Connector::tls("[::1]:9000".parse().unwrap(), Arc::clone(&config)).unwrap();
+        assert!(c.is_tls());
+        let name = &c.tls.as_ref().unwrap().server_name;
+        assert_eq!(name.to_str(), "::1");
+        let c = Connector::tls("vllm.internal:8443".parse().unwrap(), config).unwrap();
+        assert_eq!(c.tls.unwrap().server_name.to_str(), "vllm.internal");
     }
 }

@@ -3,19 +3,29 @@
 //! Keys come from `auth.api_keys`, `auth.api_keys_file` (one per line) and the environment
 //! variable named by `auth.api_keys_env` (comma-separated); authentication is on when any key
 //! is configured. A presented key is compared with every configured key in time that does not
-//! depend on where the bytes differ, and without stopping at the first match, so timing tells
-//! an attacker nothing about the keys. Rate limits apply per key, or per client IP when no keys
-//! are configured: a token bucket for requests per second and a cap on concurrent requests,
-//! both answered with 429 and `Retry-After`.
+//! depend on where the bytes differ (`subtle`), and without stopping at the first match, so
+//! timing tells an attacker nothing about the keys. Rate limits apply per key, or per client IP
+//! when no keys are configured: `governor`'s GCRA limiter (a token bucket without a timer) for
+//! requests per second and a cap on concurrent requests, both answered with 429 and
+//! `Retry-After`.
+//!
+//! Per-client state lives in a bounded `moka` cache (at most 100,000 clients, dropped after
+//! 10 idle minutes), each entry holding its own direct `governor` limiter. governor's keyed
+//! limiter would keep every key ever seen in its map until `retain_recent` is called; a flood of
+//! client addresses must not grow the router's memory.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use governor::clock::Clock as _;
+use governor::{DefaultDirectRateLimiter, Quota};
 use http::header::AUTHORIZATION;
+use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
 use crate::config::{AuthConfig, ConfigError};
@@ -29,35 +39,46 @@ enum Client {
     Ip(IpAddr),
 }
 
-/// Token bucket: `rate` tokens per second up to `burst`.
-struct Bucket {
-    tokens: f64,
-    last: Instant,
-}
-
 struct ClientState {
-    bucket: Mutex<Bucket>,
+    /// `None` when no request rate is configured.
+    limiter: Option<DefaultDirectRateLimiter>,
     concurrent: Option<Arc<Semaphore>>,
 }
 
 pub struct Auth {
     keys: Vec<Box<[u8]>>,
     admin_token: Option<Box<[u8]>>,
-    rate: f64,
-    burst: f64,
+    quota: Option<Quota>,
     max_concurrent: usize,
     clients: moka::sync::Cache<Client, Arc<ClientState>>,
 }
 
 /// Equality whose running time depends only on the lengths, not on the contents.
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= u64::from(x ^ y);
+    a.ct_eq(b).into()
+}
+
+/// The slowest configurable rate: one request per day. governor multiplies the period by the
+/// burst in nanoseconds (unchecked), so both are bounded; `Config::validate` refuses values
+/// beyond these, and the clamps here only keep a skipped validation from panicking.
+pub const MIN_REQUESTS_PER_SECOND: f64 = 1.0 / 86_400.0;
+pub const MAX_BURST: f64 = 100_000.0;
+
+/// `rate` requests per second with bursts of `burst` (0 = the rate, at least 1); `None` when
+/// `rate` is 0 (no limit).
+fn quota(rate: f64, burst: f64) -> Option<Quota> {
+    // NaN is refused by validation; here it counts as no limit, like 0.
+    if rate.is_nan() || rate <= 0.0 {
+        return None;
     }
-    diff == 0
+    let period = Duration::try_from_secs_f64(1.0 / rate.max(MIN_REQUESTS_PER_SECOND))
+        .unwrap_or(Duration::from_secs(86_400))
+        .max(Duration::from_nanos(1));
+    let burst = if burst > 0.0 { burst } else { rate };
+    // In range by the clamp, so the cast neither saturates nor truncates more than `ceil` did.
+    let burst =
+        NonZeroU32::new(burst.ceil().clamp(1.0, MAX_BURST) as u32).unwrap_or(NonZeroU32::MIN);
+    Quota::with_period(period).map(|q| q.allow_burst(burst))
 }
 
 fn bearer(req: &Request) -> Option<&[u8]> {
@@ -111,12 +132,7 @@ impl Auth {
                 .admin_token
                 .as_ref()
                 .map(|t| t.clone().into_bytes().into_boxed_slice()),
-            rate: cfg.requests_per_second,
-            burst: if cfg.burst > 0.0 {
-                cfg.burst
-            } else {
-                cfg.requests_per_second.max(1.0)
-            },
+            quota: quota(cfg.requests_per_second, cfg.burst),
             max_concurrent: cfg.max_concurrent_per_key,
             clients: moka::sync::Cache::builder()
                 .max_capacity(100_000)
@@ -150,36 +166,25 @@ impl Auth {
     fn state(&self, client: Client) -> Arc<ClientState> {
         self.clients.get_with(client, || {
             Arc::new(ClientState {
-                bucket: Mutex::new(Bucket {
-                    tokens: self.burst,
-                    last: Instant::now(),
-                }),
+                limiter: self.quota.map(DefaultDirectRateLimiter::direct),
                 concurrent: (self.max_concurrent > 0)
                     .then(|| Arc::new(Semaphore::new(self.max_concurrent))),
             })
         })
     }
 
-    /// Take one token, or say how long until one is available.
+    /// Admit one request, or say how long until one would be admitted.
     fn take_token(&self, state: &ClientState) -> Result<(), Duration> {
-        if self.rate <= 0.0 {
-            return Ok(());
-        }
-        let mut b = state.bucket.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        b.tokens =
-            (b.tokens + now.duration_since(b.last).as_secs_f64() * self.rate).min(self.burst);
-        b.last = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
-            Ok(())
-        } else {
-            Err(Duration::from_secs_f64((1.0 - b.tokens) / self.rate))
+        match &state.limiter {
+            None => Ok(()),
+            Some(limiter) => limiter
+                .check()
+                .map_err(|not_until| not_until.wait_time_from(limiter.clock().now())),
         }
     }
 
     fn limits_on(&self) -> bool {
-        self.rate > 0.0 || self.max_concurrent > 0
+        self.quota.is_some() || self.max_concurrent > 0
     }
 }
 
@@ -260,11 +265,33 @@ mod tests {
         assert!(auth.take_token(&s).is_ok());
         let wait = auth.take_token(&s).unwrap_err();
         assert!(wait <= Duration::from_millis(100), "{wait:?}");
-        // Pretend 200 ms passed: two tokens back (capped at the burst).
-        s.bucket.lock().unwrap().last -= Duration::from_millis(200);
-        assert!(auth.take_token(&s).is_ok());
-        assert!(auth.take_token(&s).is_ok());
-        assert!(auth.take_token(&s).is_err());
+        // The same quota on a clock the test moves: 200 ms later two requests are back (capped
+        // at the burst).
+        let clock = governor::clock::FakeRelativeClock::default();
+        let limiter = governor::RateLimiter::direct_with_clock(auth.quota.unwrap(), clock.clone());
+        assert!(limiter.check().is_ok());
+        assert!(limiter.check().is_ok());
+        assert!(limiter.check().is_err());
+        clock.advance(Duration::from_millis(200));
+        assert!(limiter.check().is_ok());
+        assert!(limiter.check().is_ok());
+        assert!(limiter.check().is_err());
+    }
+
+    #[test]
+    fn quota_edges() {
+        assert!(quota(0.0, 5.0).is_none(), "0 = unlimited");
+        let q = quota(0.5, 0.0).unwrap();
+        assert_eq!(
+            q.burst_size().get(),
+            1,
+            "burst defaults to the rate, at least 1"
+        );
+        assert_eq!(q.replenish_interval(), Duration::from_secs(2));
+        let q = quota(1e-12, 1e12).unwrap();
+        assert_eq!(q.replenish_interval(), Duration::from_secs(86_400));
+        assert_eq!(q.burst_size().get(), MAX_BURST as u32);
+        assert!(quota(f64::MAX, 1.0).is_some());
     }
 
     #[test]

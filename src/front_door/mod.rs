@@ -145,13 +145,29 @@ async fn forward(
     )
     .await
     .map_err(|_| Error::BodyTimeout(server.body_read_timeout_ms))??;
-    if crate::prompt::json_depth(&body) > server.max_json_depth {
+    // Multipart form data (audio) on the other /v1/* routes: not JSON, forwarded as it came.
+    let form_boundary = match operation {
+        Operation::Other => crate::prompt::multipart::boundary(
+            parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+        )?,
+        _ => None,
+    };
+    if form_boundary.is_none() && crate::prompt::json_depth(&body) > server.max_json_depth {
         return Err(Error::InvalidRequest(format!(
             "JSON nesting is deeper than the limit of {}",
             server.max_json_depth
         )));
     }
-    let view = RequestView::parse(operation, &body)?;
+    let limits = crate::prompt::ParseLimits {
+        max_messages: app.config.limits.max_messages,
+    };
+    let view = match form_boundary {
+        Some(boundary) => RequestView::multipart(&body, boundary),
+        None => RequestView::parse_with(operation, &body, &limits)?,
+    };
     let request_id = parts
         .headers
         .get("x-request-id")

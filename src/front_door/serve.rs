@@ -1,13 +1,20 @@
-//! The accept loop: hyper connections with a header-read timeout, and graceful draining.
+//! The accept loop: hyper connections with header limits, a cap on open connections, and
+//! graceful draining.
 //!
-//! axum's `serve` hides the connection builder, and inferlb needs two of its knobs: a deadline
-//! for reading request headers (a slow client must not hold a connection forever) and a drain
-//! with a deadline (on shutdown: refuse new connections at once, let in-flight requests and
-//! streams finish, and give up after `shutdown_timeout`).
+//! axum's `serve` hides the connection builder, and inferlb needs its knobs: a deadline for
+//! reading request headers (a slow client must not hold a connection forever), a bound on
+//! their size (431 above it, before anything is parsed further), a cap on open connections,
+//! and a drain with a deadline (on shutdown: refuse new connections at once, let in-flight
+//! requests and streams finish, and give up after `shutdown_timeout`).
+//!
+//! A connection beyond the cap is accepted and closed at once. Leaving it in the kernel's
+//! backlog instead would make the client wait for a connect timeout, and the backlog would
+//! still fill; closing tells it right away to go elsewhere or retry.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
@@ -17,14 +24,25 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tower::ServiceExt;
+
+use crate::telemetry as t;
 
 /// Connection-level settings.
 #[derive(Debug, Clone, Copy)]
 pub struct ServeOptions {
     pub header_read_timeout: Duration,
     pub shutdown_timeout: Duration,
+    /// Largest request head (request line and headers) in bytes; larger ones get 431. HTTP/1
+    /// takes it as hyper's read-buffer limit, so it is at least 8192 (hyper's minimum).
+    pub max_header_bytes: usize,
+    /// Open connections at once on this listener (0 = no limit).
+    pub max_connections: usize,
 }
+
+/// hyper's smallest allowed HTTP/1 buffer limit.
+pub const MIN_HEADER_BYTES: usize = 8192;
 
 /// Serve `router` on `listener` until `shutdown`, then drain. Returns whether the drain
 /// finished before its deadline.
@@ -38,8 +56,18 @@ pub async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(options.header_read_timeout);
-    builder.http2().timer(TokioTimer::new());
+        .header_read_timeout(options.header_read_timeout)
+        // A head still incomplete when the buffer holds this much is answered with 431 and the
+        // connection closed. (hyper-util's builder does not expose hyper's `max_header_size`;
+        // the buffer limit has the same effect for heads, and a body is read through the
+        // buffer in pieces, so it bounds nothing else.)
+        .max_buf_size(options.max_header_bytes.max(MIN_HEADER_BYTES));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(options.max_header_bytes).unwrap_or(u32::MAX));
+    let slots =
+        (options.max_connections > 0).then(|| Arc::new(Semaphore::new(options.max_connections)));
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -55,6 +83,19 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
+        // Held by the connection's task for as long as the connection is open.
+        let slot = match &slots {
+            None => None,
+            Some(slots) => match Arc::clone(slots).try_acquire_owned() {
+                Ok(slot) => Some(slot),
+                Err(_) => {
+                    metrics::counter!(t::CONNECTIONS_REFUSED).increment(1);
+                    tracing::debug!(%peer, limit = options.max_connections, "connection limit reached; closing");
+                    drop(stream);
+                    continue;
+                }
+            },
+        };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
@@ -65,6 +106,7 @@ pub async fn serve(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
+            let _slot = slot;
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");

@@ -14,6 +14,14 @@
 //!   base64 never enter the prefix index).
 //! * completions: the prompt string; several prompts joined by U+001E; token ids as decimal
 //!   numbers separated by spaces.
+//!
+//! While parsing, the fields the router reads or can check cheaply are validated
+//! ([`fields`]): message count, content parts of a known type without their payload, the
+//! prompt's shape, and sampling numbers out of the range a backend accepts — each a 400 naming
+//! the field.
+
+pub mod fields;
+pub mod multipart;
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -23,6 +31,8 @@ use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
+use fields::{invalid_param, Bounded, Numbers, Prompt, PROMPT_SHAPES};
+pub use fields::{ParseLimits, MAX_MESSAGES_CEILING};
 
 /// Deepest nesting of arrays and objects in `body`, counting only brackets outside strings.
 /// A linear scan that lets the front door refuse pathological bodies before parsing them.
@@ -71,8 +81,17 @@ pub struct RequestView {
 }
 
 impl RequestView {
-    /// Parse a request for `operation` from its raw body.
+    /// Parse a request for `operation` from its raw body, with the default limits.
     pub fn parse(operation: Operation, body: &[u8]) -> Result<Self, Error> {
+        Self::parse_with(operation, body, &ParseLimits::default())
+    }
+
+    /// Parse a request for `operation` from its raw body.
+    pub fn parse_with(
+        operation: Operation,
+        body: &[u8],
+        limits: &ParseLimits,
+    ) -> Result<Self, Error> {
         let first = body.iter().find(|b| !b.is_ascii_whitespace());
         if operation != Operation::Other && first != Some(&b'{') {
             return Err(Error::InvalidRequest(
@@ -80,9 +99,20 @@ impl RequestView {
             ));
         }
         match operation {
-            Operation::ChatCompletions => parse_chat(body),
+            Operation::ChatCompletions => parse_chat(body, limits),
             Operation::Completions => parse_completions(body),
             Operation::Other => parse_other(body),
+        }
+    }
+
+    /// A `multipart/form-data` request (audio): routed by its `model` form field when a
+    /// bounded scan finds one, else by load alone.
+    pub fn multipart(body: &[u8], boundary: &str) -> Self {
+        RequestView {
+            operation: Operation::Other,
+            model: multipart::model_field(body, boundary),
+            stream: false,
+            routing_text: None,
         }
     }
 }
@@ -96,7 +126,7 @@ struct ChatBody<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
+    messages: Option<Bounded<Message<'a>>>,
     #[serde(default)]
     stream: Option<bool>,
     /// Type-checked only (a string), like vLLM does; not used for routing.
@@ -104,6 +134,26 @@ struct ChatBody<'a> {
     _user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    top_k: Option<f64>,
+    #[serde(default)]
+    min_p: Option<f64>,
+    #[serde(default)]
+    presence_penalty: Option<f64>,
+    #[serde(default)]
+    frequency_penalty: Option<f64>,
+    #[serde(default)]
+    repetition_penalty: Option<f64>,
+    #[serde(default)]
+    max_tokens: Option<f64>,
+    #[serde(default)]
+    max_completion_tokens: Option<f64>,
+    #[serde(default)]
+    n: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -118,40 +168,107 @@ struct Message<'a> {
     tool_calls: Option<&'a RawValue>,
 }
 
-/// Message content: a string, an array of parts, or null.
-fn render_content(raw: &RawValue, out: &mut String) -> Result<(), String> {
+/// Message content of `messages[index]`: a string, an array of parts, or null.
+fn render_content(raw: &RawValue, index: usize, out: &mut String) -> Result<(), Error> {
     let json = raw.get();
+    let invalid = |e: &dyn std::fmt::Display| {
+        invalid_param(
+            format!("messages[{index}].content"),
+            format!("invalid `messages[{index}].content`: {e}"),
+        )
+    };
     match json.as_bytes().first() {
         Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(json).map_err(|e| e.to_string())?;
+            let text: Cow<'_, str> = serde_json::from_str(json).map_err(|e| invalid(&e))?;
             out.push_str(&text);
         }
         Some(b'[') => {
-            let parts: Vec<&RawValue> = serde_json::from_str(json).map_err(|e| e.to_string())?;
-            for part in parts {
-                render_part(part, out).map_err(|e| e.to_string())?;
+            let parts: Vec<&RawValue> = serde_json::from_str(json).map_err(|e| invalid(&e))?;
+            for (j, part) in parts.into_iter().enumerate() {
+                render_part(part, out).map_err(|e| match e {
+                    PartError::Json(e) => invalid(&e),
+                    PartError::Missing { field, message } => invalid_param(
+                        format!("messages[{index}].content[{j}].{field}"),
+                        format!("`messages[{index}].content[{j}]` {message}"),
+                    ),
+                })?;
             }
         }
         Some(b'n') if json == "null" => {}
-        _ => return Err("must be a string, an array of content parts, or null".into()),
+        _ => {
+            return Err(invalid(
+                &"must be a string, an array of content parts, or null",
+            ))
+        }
     }
     Ok(())
 }
 
+/// A content part as far as the router reads it: its type, its text, and the payload fields
+/// of the media types (kept raw: megabytes of base64 are neither copied nor decoded).
 #[derive(Deserialize)]
-struct TextPart<'a> {
+struct Part<'a> {
     #[serde(rename = "type", borrow)]
     kind: Cow<'a, str>,
     #[serde(borrow, default)]
     text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    image_url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    video_url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    audio_url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input_audio: Option<&'a RawValue>,
 }
 
-fn parse_chat(body: &[u8]) -> Result<RequestView, Error> {
+/// The inner field of a media payload (`image_url.url`, `input_audio.data`).
+#[derive(Deserialize)]
+struct Payload<'a> {
+    #[serde(borrow, default)]
+    url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    data: Option<&'a RawValue>,
+}
+
+enum PartError {
+    Json(serde_json::Error),
+    Missing {
+        field: &'static str,
+        message: String,
+    },
+}
+
+fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
     let chat: ChatBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
     let messages = chat.messages.ok_or(Error::MissingField("messages"))?;
-    if messages.is_empty() {
-        return Err(Error::InvalidRequest("`messages` must not be empty".into()));
+    if messages.total == 0 {
+        return Err(invalid_param("messages", "`messages` must not be empty"));
     }
+    let max = limits.max_messages.min(MAX_MESSAGES_CEILING);
+    if messages.total > max {
+        return Err(invalid_param(
+            "messages",
+            format!(
+                "`messages` has {} messages; the limit is {max}",
+                messages.total
+            ),
+        ));
+    }
+    Numbers {
+        temperature: chat.temperature,
+        top_p: chat.top_p,
+        top_k: chat.top_k,
+        min_p: chat.min_p,
+        presence_penalty: chat.presence_penalty,
+        frequency_penalty: chat.frequency_penalty,
+        repetition_penalty: chat.repetition_penalty,
+        max_tokens: chat.max_tokens,
+        max_completion_tokens: chat.max_completion_tokens,
+        n: chat.n,
+    }
+    .check()?;
+    let messages = messages.list;
     let mut text = String::with_capacity(body.len().min(1 << 20));
     if let Some(tools) = chat.tools {
         text.push_str("tools\n");
@@ -166,9 +283,7 @@ fn parse_chat(body: &[u8]) -> Result<RequestView, Error> {
         }
         text.push('\n');
         if let Some(content) = message.content {
-            render_content(content, &mut text).map_err(|e| {
-                Error::InvalidRequest(format!("invalid `messages[{i}].content`: {e}"))
-            })?;
+            render_content(content, i, &mut text)?;
         }
         if let Some(calls) = message.tool_calls {
             text.push_str("\ntool_calls ");
@@ -184,9 +299,42 @@ fn parse_chat(body: &[u8]) -> Result<RequestView, Error> {
     })
 }
 
-fn render_part(raw: &RawValue, out: &mut String) -> Result<(), serde_json::Error> {
-    let part: TextPart<'_> = serde_json::from_str(raw.get())?;
-    match (part.kind.as_ref(), part.text) {
+/// Render one content part; a part of a known type must carry its payload.
+fn render_part(raw: &RawValue, out: &mut String) -> Result<(), PartError> {
+    let part: Part<'_> = serde_json::from_str(raw.get()).map_err(PartError::Json)?;
+    let kind = part.kind.as_ref();
+    if let Some((field, inner)) = fields::required_payload(kind) {
+        let payload = match field {
+            "image_url" => part.image_url,
+            "video_url" => part.video_url,
+            "audio_url" => part.audio_url,
+            "input_audio" => part.input_audio,
+            _ => None,
+        };
+        let missing = |what: String| PartError::Missing {
+            field,
+            message: format!("of type `{kind}` {what}"),
+        };
+        match (inner, payload) {
+            (None, _) if part.text.is_none() => return Err(missing(format!("has no `{field}`"))),
+            (None, _) => {}
+            (Some(_), None) => return Err(missing(format!("has no `{field}`"))),
+            (Some(inner), Some(payload)) => {
+                let present: Payload<'_> = serde_json::from_str(payload.get()).map_err(|_| {
+                    missing(format!("needs `{field}` to be an object with `{inner}`"))
+                })?;
+                let value = if inner == "url" {
+                    present.url
+                } else {
+                    present.data
+                };
+                if !value.is_some_and(|v| v.get().starts_with('"')) {
+                    return Err(missing(format!("needs a string `{field}.{inner}`")));
+                }
+            }
+        }
+    }
+    match (kind, part.text) {
         ("text" | "input_text", Some(text)) => out.push_str(&text),
         (kind, _) => {
             // Media and unknown parts: a short, stable stand-in for their content.
@@ -207,15 +355,24 @@ struct CompletionBody<'a> {
     /// Type-checked only (a string); not used for routing.
     #[serde(borrow, default, rename = "user")]
     _user: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Prompt<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
-    Tokens(Vec<u32>),
-    TokenBatches(Vec<Vec<u32>>),
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    top_k: Option<f64>,
+    #[serde(default)]
+    min_p: Option<f64>,
+    #[serde(default)]
+    presence_penalty: Option<f64>,
+    #[serde(default)]
+    frequency_penalty: Option<f64>,
+    #[serde(default)]
+    repetition_penalty: Option<f64>,
+    #[serde(default)]
+    max_tokens: Option<f64>,
+    #[serde(default)]
+    n: Option<f64>,
 }
 
 fn push_tokens(tokens: &[u32], out: &mut String) {
@@ -228,17 +385,23 @@ fn push_tokens(tokens: &[u32], out: &mut String) {
 }
 
 fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
-    let req: CompletionBody<'_> = serde_json::from_slice(body).map_err(|e| {
-        if e.to_string().contains("untagged enum Prompt") {
-            Error::InvalidRequest(
-                "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays".into(),
-            )
-        } else {
-            invalid(e)
-        }
-    })?;
+    let req: CompletionBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
     let prompt = req.prompt.ok_or(Error::MissingField("prompt"))?;
+    Numbers {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        repetition_penalty: req.repetition_penalty,
+        max_tokens: req.max_tokens,
+        max_completion_tokens: None,
+        n: req.n,
+    }
+    .check()?;
     let text = match prompt {
+        Prompt::Invalid => return Err(invalid_param("prompt", PROMPT_SHAPES)),
         Prompt::Text(s) => s.into_owned(),
         Prompt::Texts(list) => list.join("\u{1e}"),
         Prompt::Tokens(tokens) => {

@@ -123,7 +123,10 @@ fn malformed_bodies_are_invalid_requests() {
     ];
     for body in chat_cases {
         assert!(
-            matches!(chat(body), Err(Error::InvalidRequest(_))),
+            matches!(
+                chat(body),
+                Err(Error::InvalidRequest(_) | Error::InvalidParam { .. })
+            ),
             "{body:?}"
         );
     }
@@ -137,9 +140,175 @@ fn malformed_bodies_are_invalid_requests() {
     ];
     for body in completion_cases {
         assert!(
-            matches!(completion(body), Err(Error::InvalidRequest(_))),
+            matches!(
+                completion(body),
+                Err(Error::InvalidRequest(_) | Error::InvalidParam { .. })
+            ),
             "{body:?}"
         );
+    }
+}
+
+/// The `param` of an `InvalidParam` error, or a description of what came instead.
+fn param_of(result: Result<RequestView, Error>) -> String {
+    match result {
+        Err(Error::InvalidParam { param, .. }) => param,
+        other => format!("not an InvalidParam: {other:?}"),
+    }
+}
+
+#[test]
+fn bad_prompt_shapes_are_typed_errors_on_prompt() {
+    for body in [
+        r#"{"prompt":5}"#,
+        r#"{"prompt":true}"#,
+        r#"{"prompt":null}"#,
+        r#"{"prompt":[-1]}"#,
+        r#"{"prompt":[1.5]}"#,
+        r#"{"prompt":[99999999999]}"#,
+        r#"{"prompt":{"a":[1,2]}}"#,
+        r#"{"prompt":["a",1]}"#,
+        r#"{"prompt":[1,"a"]}"#,
+        r#"{"prompt":[[1],2]}"#,
+        r#"{"prompt":[[1,-2],[3]]}"#,
+        r#"{"prompt":[[1,[2]]]}"#,
+        r#"{"prompt":[null]}"#,
+    ] {
+        let got = param_of(completion(body));
+        // `null` is an absent prompt.
+        let want = if body.contains("null}") {
+            "not an InvalidParam: Err(MissingField(\"prompt\"))"
+        } else {
+            "prompt"
+        };
+        assert_eq!(got, want, "{body}");
+    }
+    // A shape error stops the parse, the rest of the body is still read as JSON.
+    assert!(matches!(
+        completion(r#"{"prompt":["a",1],"model":"m""#),
+        Err(Error::InvalidRequest(_))
+    ));
+}
+
+#[test]
+fn content_parts_of_known_types_need_their_payload() {
+    let cases = [
+        (r#"{"type":"text"}"#, "messages[0].content[1].text"),
+        (
+            r#"{"type":"text","text":null}"#,
+            "messages[0].content[1].text",
+        ),
+        (r#"{"type":"input_text"}"#, "messages[0].content[1].text"),
+        (
+            r#"{"type":"image_url"}"#,
+            "messages[0].content[1].image_url",
+        ),
+        (
+            r#"{"type":"image_url","image_url":{}}"#,
+            "messages[0].content[1].image_url",
+        ),
+        (
+            r#"{"type":"image_url","image_url":{"url":7}}"#,
+            "messages[0].content[1].image_url",
+        ),
+        (
+            r#"{"type":"image_url","image_url":"https://x/a.png"}"#,
+            "messages[0].content[1].image_url",
+        ),
+        (
+            r#"{"type":"input_audio","input_audio":{"format":"wav"}}"#,
+            "messages[0].content[1].input_audio",
+        ),
+        (
+            r#"{"type":"video_url","video_url":{"detail":"low"}}"#,
+            "messages[0].content[1].video_url",
+        ),
+        (
+            r#"{"type":"audio_url"}"#,
+            "messages[0].content[1].audio_url",
+        ),
+    ];
+    for (part, param) in cases {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"ok"}},{part}]}}]}}"#
+        );
+        assert_eq!(param_of(chat(&body)), param, "{part}");
+    }
+    // Complete parts, and parts of types the router does not know, pass.
+    for part in [
+        r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}"#,
+        r#"{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}"#,
+        r#"{"type":"video_url","video_url":{"url":"https://x/v.mp4"}}"#,
+        r#"{"type":"image_embeds","image_embeds":"AAAA"}"#,
+    ] {
+        let body = format!(r#"{{"messages":[{{"role":"user","content":[{part}]}}]}}"#);
+        assert!(chat(&body).is_ok(), "{part}");
+    }
+}
+
+#[test]
+fn sampling_numbers_out_of_range_name_the_field() {
+    let m = r#""messages":[{"role":"user","content":"x"}]"#;
+    for (field, bad, good) in [
+        ("temperature", "-0.1", "1.5"),
+        ("top_p", "0", "1"),
+        ("top_p", "1.01", "0.5"),
+        ("top_k", "-2", "-1"),
+        ("top_k", "2.5", "40"),
+        ("min_p", "1.5", "0.1"),
+        ("presence_penalty", "2.5", "-2"),
+        ("frequency_penalty", "-3", "2"),
+        ("repetition_penalty", "0", "1.1"),
+        ("max_tokens", "-1", "16"),
+        ("max_tokens", "1.5", "16.0"),
+        ("max_completion_tokens", "-5", "0"),
+        ("n", "0", "2"),
+    ] {
+        let body = format!(r#"{{{m},"{field}":{bad}}}"#);
+        assert_eq!(param_of(chat(&body)), field, "{body}");
+        let body = format!(r#"{{{m},"{field}":{good}}}"#);
+        assert!(chat(&body).is_ok(), "{body}");
+        let body = format!(r#"{{{m},"{field}":null}}"#);
+        assert!(chat(&body).is_ok(), "{body}");
+        if field != "max_completion_tokens" {
+            let body = format!(r#"{{"prompt":"p","{field}":{bad}}}"#);
+            assert_eq!(param_of(completion(&body)), field, "{body}");
+        }
+    }
+    // Too large for a number at all, or of the wrong type: a JSON error, still a 400.
+    for bad in ["1e999", "\"hot\"", "[1]"] {
+        let body = format!(r#"{{{m},"temperature":{bad}}}"#);
+        assert!(
+            matches!(chat(&body), Err(Error::InvalidRequest(_))),
+            "{body}"
+        );
+    }
+}
+
+#[test]
+fn message_count_is_limited() {
+    let body = |n: usize| {
+        let one = r#"{"role":"user","content":"x"}"#;
+        format!(r#"{{"messages":[{}]}}"#, vec![one; n].join(","))
+    };
+    let limits = ParseLimits { max_messages: 3 };
+    let parse =
+        |b: &str| RequestView::parse_with(Operation::ChatCompletions, b.as_bytes(), &limits);
+    assert!(parse(&body(3)).is_ok());
+    assert_eq!(param_of(parse(&body(4))), "messages");
+    // Past the hard ceiling nothing more is held; the count is still exact in the message.
+    let limits = ParseLimits {
+        max_messages: MAX_MESSAGES_CEILING,
+    };
+    let huge = body(MAX_MESSAGES_CEILING + 2);
+    match RequestView::parse_with(Operation::ChatCompletions, huge.as_bytes(), &limits) {
+        Err(Error::InvalidParam { message, .. }) => {
+            assert!(
+                message.contains(&(MAX_MESSAGES_CEILING + 2).to_string()),
+                "{message}"
+            )
+        }
+        other => panic!("{other:?}"),
     }
 }
 

@@ -61,6 +61,9 @@ pub struct FakeState {
     /// Streams send this many extra chunks, one every `drip_ms`, before `[DONE]`.
     pub drip_chunks: std::sync::atomic::AtomicU64,
     pub drip_ms: std::sync::atomic::AtomicU64,
+    /// TLS fakes: the SNI name of the last handshake, and how many handshakes failed.
+    pub sni: Mutex<Option<String>>,
+    pub tls_failures: std::sync::atomic::AtomicU64,
 }
 
 pub struct FakeBackend {
@@ -68,6 +71,40 @@ pub struct FakeBackend {
     pub state: Arc<FakeState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+    tls: bool,
+}
+
+fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
+    let (scrapes, _) = watch::channel(0);
+    Arc::new(FakeState {
+        name: name.to_owned(),
+        models: models.iter().map(|m| (*m).to_owned()).collect(),
+        metrics: Mutex::new(FakeMetrics::default()),
+        scrapes,
+        gate: Notify::new(),
+        hold_streams: false.into(),
+        last_headers: Mutex::new(None),
+        last_body: Mutex::new(None),
+        completions: 0.into(),
+        completion_status: 200.into(),
+        cut_streams: false.into(),
+        stream_abandoned: watch::channel(false).0,
+        drip_chunks: 0.into(),
+        drip_ms: 0.into(),
+        sni: Mutex::new(None),
+        tls_failures: 0.into(),
+    })
+}
+
+fn fake_app(state: &Arc<FakeState>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(list_models))
+        .route("/v1/chat/completions", post(complete))
+        .route("/v1/completions", post(complete))
+        .route("/v1/embeddings", post(complete))
+        .route("/v1/audio/transcriptions", post(complete))
+        .with_state(Arc::clone(state))
 }
 
 impl FakeBackend {
@@ -78,30 +115,8 @@ impl FakeBackend {
 
     async fn serve(listener: TcpListener, name: &str, models: &[&str]) -> FakeBackend {
         let addr = listener.local_addr().unwrap();
-        let (scrapes, _) = watch::channel(0);
-        let state = Arc::new(FakeState {
-            name: name.to_owned(),
-            models: models.iter().map(|m| (*m).to_owned()).collect(),
-            metrics: Mutex::new(FakeMetrics::default()),
-            scrapes,
-            gate: Notify::new(),
-            hold_streams: false.into(),
-            last_headers: Mutex::new(None),
-            last_body: Mutex::new(None),
-            completions: 0.into(),
-            completion_status: 200.into(),
-            cut_streams: false.into(),
-            stream_abandoned: watch::channel(false).0,
-            drip_chunks: 0.into(),
-            drip_ms: 0.into(),
-        });
-        let app = Router::new()
-            .route("/metrics", get(metrics))
-            .route("/v1/models", get(list_models))
-            .route("/v1/chat/completions", post(complete))
-            .route("/v1/completions", post(complete))
-            .route("/v1/embeddings", post(complete))
-            .with_state(Arc::clone(&state));
+        let state = fake_state(name, models);
+        let app = fake_app(&state);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             axum::serve(listener, app)
@@ -116,11 +131,70 @@ impl FakeBackend {
             state,
             stop: Some(stop),
             task: Some(task),
+            tls: false,
         }
     }
 
+    /// The same fake, served over TLS with `tls` on 127.0.0.1. The SNI name each handshake
+    /// carried is kept in `state.sni`; failed handshakes are counted in `state.tls_failures`.
+    pub async fn start_tls(
+        name: &str,
+        models: &[&str],
+        tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    ) -> FakeBackend {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = fake_state(name, models);
+        let app = fake_app(&state);
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let fake = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            loop {
+                let (tcp, _) = tokio::select! {
+                    accepted = listener.accept() => accepted.unwrap(),
+                    _ = &mut stopped => return,
+                };
+                let (acceptor, app, fake) = (acceptor.clone(), app.clone(), Arc::clone(&fake));
+                tokio::spawn(async move {
+                    let stream = match acceptor.accept(tcp).await {
+                        Ok(s) => s,
+                        Err(_) => {
+                            fake.tls_failures.fetch_add(1, Ordering::Relaxed);
+                            return;
+                        }
+                    };
+                    *fake.sni.lock().unwrap() = stream.get_ref().1.server_name().map(str::to_owned);
+                    let service = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            tower::ServiceExt::oneshot(app.clone(), req)
+                        },
+                    );
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+                });
+            }
+        });
+        FakeBackend {
+            addr,
+            state,
+            stop: Some(stop),
+            task: Some(task),
+            tls: true,
+        }
+    }
+
+    /// `http://127.0.0.1:port`, or `https://localhost:port` for a TLS fake (a DNS name, so
+    /// the router sends SNI).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        if self.tls {
+            format!("https://localhost:{}", self.addr.port())
+        } else {
+            format!("http://{}", self.addr)
+        }
     }
 
     pub fn set_metrics(&self, f: impl FnOnce(&mut FakeMetrics)) {
