@@ -70,6 +70,8 @@ pub struct Config {
     /// Extra engines (metric name sets) beside the built-in `vllm` and `sglang`.
     pub engines: BTreeMap<String, EngineMetricNames>,
     pub backends: Vec<BackendConfig>,
+    /// Where the backend set comes from (default: the static `[[backends]]`).
+    pub discovery: DiscoveryConfig,
     pub plugins: Vec<PluginSpec>,
     pub scheduling_profiles: Vec<ProfileSpec>,
     /// Which profile schedules requests; the first one when unset.
@@ -93,6 +95,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             engines: BTreeMap::new(),
             backends: Vec::new(),
+            discovery: DiscoveryConfig::default(),
             plugins: Vec::new(),
             scheduling_profiles: Vec::new(),
             profile: None,
@@ -314,8 +317,148 @@ impl Default for ForwardConfig {
     }
 }
 
-/// One backend server.
+/// Which discovery source fills the pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiscoverySource {
+    /// `[[backends]]` / `--backend`.
+    #[default]
+    Static,
+    File,
+    Dns,
+    Kubernetes,
+}
+
+/// `[discovery]`: one source, with its own table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    pub source: DiscoverySource,
+    pub file: FileDiscoveryConfig,
+    pub dns: DnsDiscoveryConfig,
+    pub kubernetes: KubernetesDiscoveryConfig,
+    /// Engine, API key and fixed models given to every discovered backend (file entries may
+    /// set their own).
+    pub backend_defaults: BackendDefaults,
+}
+
+/// Settings every discovered backend gets.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendDefaults {
+    pub engine: String,
+    pub api_key: Option<String>,
+    pub models: Option<Vec<String>>,
+    /// `http` or `https` for DNS and Kubernetes addresses.
+    pub scheme: String,
+    /// CA bundle for `https` backends (default: `forward.ca_file`, else built-in roots).
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+impl Default for BackendDefaults {
+    fn default() -> Self {
+        BackendDefaults {
+            engine: default_engine(),
+            api_key: None,
+            models: None,
+            scheme: "http".into(),
+            ca_file: None,
+        }
+    }
+}
+
+impl BackendDefaults {
+    /// A backend at `host:port` with these defaults.
+    pub fn backend(&self, host: &str, port: u16) -> BackendConfig {
+        let host = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        BackendConfig {
+            url: format!("{}://{host}:{port}", self.scheme),
+            engine: self.engine.clone(),
+            api_key: self.api_key.clone(),
+            models: self.models.clone(),
+            ca_file: self.ca_file.clone(),
+        }
+    }
+}
+
+/// `[discovery.file]`: a TOML (`[[backends]]` tables as in config.toml) or JSON (a list of the
+/// same objects) file, chosen by extension, re-read when its modification time or size changes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FileDiscoveryConfig {
+    pub path: Option<std::path::PathBuf>,
+    /// How often the file's metadata is checked.
+    pub poll_interval_ms: u64,
+}
+
+impl Default for FileDiscoveryConfig {
+    fn default() -> Self {
+        FileDiscoveryConfig {
+            path: None,
+            poll_interval_ms: 1_000,
+        }
+    }
+}
+
+/// `[discovery.dns]`: every A/AAAA address of `name` becomes `scheme://ADDR:port`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DnsDiscoveryConfig {
+    pub name: Option<String>,
+    pub port: u16,
+    pub interval_ms: u64,
+}
+
+impl Default for DnsDiscoveryConfig {
+    fn default() -> Self {
+        DnsDiscoveryConfig {
+            name: None,
+            port: 8000,
+            interval_ms: 5_000,
+        }
+    }
+}
+
+/// A container port, by number or by name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PortRef {
+    Number(u16),
+    Name(String),
+}
+
+/// `[discovery.kubernetes]`: Pods selected by `label_selector` in `namespace`, or the Pods an
+/// `InferencePool` (inference.networking.k8s.io/v1) selects when `inference_pool` is set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesDiscoveryConfig {
+    pub namespace: String,
+    pub label_selector: Option<String>,
+    pub port: PortRef,
+    pub inference_pool: Option<String>,
+    /// A kubeconfig file; default: in-cluster service account, then `KUBECONFIG`, then
+    /// `~/.kube/config`.
+    pub kubeconfig: Option<std::path::PathBuf>,
+}
+
+impl Default for KubernetesDiscoveryConfig {
+    fn default() -> Self {
+        KubernetesDiscoveryConfig {
+            namespace: "default".into(),
+            label_selector: None,
+            port: PortRef::Number(8000),
+            inference_pool: None,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// One backend server.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
     /// Base URL, e.g. `http://10.0.0.5:8000` (no path).

@@ -27,6 +27,7 @@
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
 pub mod config;
+pub mod discovery;
 pub mod endpoints;
 pub mod error;
 pub mod forward;

@@ -33,6 +33,8 @@ pub const BACKEND_RUNNING: &str = "inferlb_backend_running_requests";
 pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
 pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_seconds";
 pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
+pub const DISCOVERY_ERRORS: &str = "inferlb_discovery_errors_total";
+pub const BACKENDS: &str = "inferlb_backends";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
@@ -58,6 +60,8 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_RUNNING, "Requests running on the backend at its last scrape."),
     (BACKEND_SCRAPE_ERRORS, "Failed or unusable /metrics scrapes, by backend and kind (connect, status, timeout, parse)."),
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
+    (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
+    (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
     (QUEUE_WAIT, "Time requests waited in the router's queue before being dispatched or refused."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),

@@ -8,13 +8,15 @@
 
 pub mod capacity;
 pub mod engine;
+pub mod membership;
 pub mod passive;
 pub mod poller;
 pub mod prometheus;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::config::OutlierConfig;
 use crate::telemetry as t;
@@ -93,8 +95,16 @@ pub struct BackendState {
     pub seen: bool,
 }
 
+/// Every backend instance starts its epochs in a range of its own, so affinity state recorded
+/// for a backend that left can never be taken for that of a newcomer reusing its slot id.
+fn fresh_epoch_base() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed) << 24
+}
+
 impl BackendState {
-    fn initial(models: Option<&[String]>) -> Self {
+    /// The state of a backend that has not been scraped yet, its epochs starting at `epoch`.
+    fn initial(models: Option<&[String]>, epoch: u64) -> Self {
         let models: Arc<[ModelEntry]> = models
             .unwrap_or_default()
             .iter()
@@ -107,7 +117,7 @@ impl BackendState {
             healthy: false,
             metrics: None,
             models,
-            epoch: 0,
+            epoch,
             consecutive_failures: 0,
             consecutive_successes: 0,
             last_error: None,
@@ -120,11 +130,27 @@ impl BackendState {
     }
 }
 
+/// Where a backend came from and when it joined, for the admin view.
+#[derive(Debug, Clone)]
+pub struct Origin {
+    /// `static`, `file`, `dns` or `kubernetes`.
+    pub source: &'static str,
+    pub labels: BTreeMap<String, String>,
+    pub joined_at: SystemTime,
+}
+
 /// A backend server: fixed identity plus the swapped-in state.
 #[derive(Debug)]
 pub struct Backend {
-    /// Dense index in the pool, used by per-backend tables such as the prefix index.
+    /// Slot id: small and dense, used by per-backend tables such as the prefix index's bit
+    /// masks. Reused by a newcomer only once this backend is gone entirely (see
+    /// [`membership`]).
     pub id: usize,
+    /// Never reused: keys tables that must not outlive this backend (idle connections).
+    pub uid: usize,
+    /// The configuration it was built from (membership diffs compare it).
+    pub config: BackendConfig,
+    pub origin: Origin,
     /// The base URL as configured; also the `backend` label of metrics.
     pub name: String,
     pub scheme: Scheme,
@@ -142,6 +168,23 @@ pub struct Backend {
     passive: passive::PassiveHealth,
     /// The pool's requests waiting for an in-flight slot.
     waiters: Arc<Waiters>,
+    /// Left the pool: receives no new requests; running ones finish.
+    draining: AtomicBool,
+    /// Returns `id` to the pool's free list when the last reference goes.
+    release: Option<Arc<membership::SlotIds>>,
+}
+
+fn next_uid() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Some(slots) = &self.release {
+            slots.release(self.id);
+        }
+    }
 }
 
 impl Backend {
@@ -186,6 +229,15 @@ impl Backend {
         let name = format!("{scheme}://{authority}");
         Ok(Backend {
             id,
+            uid: next_uid(),
+            config: config.clone(),
+            origin: Origin {
+                source: "static",
+                labels: BTreeMap::new(),
+                joined_at: SystemTime::now(),
+            },
+            draining: AtomicBool::new(false),
+            release: None,
             inflight_gauge: metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => name.clone()),
             name,
             scheme,
@@ -194,11 +246,19 @@ impl Backend {
             engine,
             authorization,
             static_models: config.models.is_some(),
-            state: ArcSwap::from_pointee(BackendState::initial(config.models.as_deref())),
+            state: ArcSwap::from_pointee(BackendState::initial(
+                config.models.as_deref(),
+                fresh_epoch_base(),
+            )),
             inflight: AtomicU64::new(0),
             passive: passive::PassiveHealth::default(),
             waiters,
         })
+    }
+
+    /// Left the pool: no new requests.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     /// The latest published state.
@@ -255,48 +315,135 @@ impl Backend {
         &self.waiters
     }
 
-    /// Healthy by the poller and not passively ejected: may be given a request now.
+    /// A member, healthy by the poller and not passively ejected: may be given a request now.
     pub fn schedulable(&self) -> bool {
-        self.state.load().healthy
+        !self.is_draining()
+            && self.state.load().healthy
             && self.passive.admission(tokio::time::Instant::now()) != Admission::Closed
     }
 }
 
-/// The set of backends requests can go to.
-#[derive(Debug)]
+/// Called with a backend that just left the pool (drop its per-backend state).
+pub type RemovalHook = Arc<dyn Fn(&Backend) + Send + Sync>;
+
+/// The set of backends requests can go to: an immutable snapshot of members swapped in by
+/// [`Pool::reconcile`], so a request reads membership without taking a lock.
 pub struct Pool {
-    backends: Vec<Arc<Backend>>,
+    members: ArcSwap<Vec<Arc<Backend>>>,
     stale_after: Duration,
     waiters: Arc<Waiters>,
+    engines: BTreeMap<String, EngineMetricNames>,
+    slots: Arc<membership::SlotIds>,
+    /// Bumped on every membership change (the poller follows it).
+    generation: tokio::sync::watch::Sender<u64>,
+    hooks: Mutex<Vec<RemovalHook>>,
+    /// One reconciliation at a time.
+    reconciling: Mutex<()>,
+    /// TLS client configurations by CA file, shared by the backends built here.
+    tls: Mutex<ClientConfigs>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("members", &self.members.load().len())
+            .finish()
+    }
 }
 
 impl Pool {
+    /// A pool holding the config's static backends (an empty one when another discovery
+    /// source will fill it).
     pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
-        let waiters = Arc::new(Waiters::default());
-        let mut tls = ClientConfigs::new(config.forward.ca_file.clone());
-        let backends = config
-            .backends
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let engine = config.engine(&b.engine).ok_or_else(|| {
+        let pool = Pool {
+            members: ArcSwap::from_pointee(Vec::new()),
+            stale_after: config.poller.stale_after(),
+            waiters: Arc::new(Waiters::default()),
+            engines: config.engines.clone(),
+            slots: Arc::new(membership::SlotIds::default()),
+            generation: tokio::sync::watch::channel(0).0,
+            hooks: Mutex::new(Vec::new()),
+            reconciling: Mutex::new(()),
+            tls: Mutex::new(ClientConfigs::new(config.forward.ca_file.clone())),
+        };
+        if config.discovery.source == crate::config::DiscoverySource::Static {
+            // Static backends are configuration: a bad one is an error naming its field (a
+            // discovered one is skipped with a warning instead).
+            for (i, b) in config.backends.iter().enumerate() {
+                let engine = pool.engine(&b.engine).ok_or_else(|| {
                     ConfigError::invalid(
                         format!("backends[{i}].engine"),
                         format!("unknown engine `{}`", b.engine),
                     )
                 })?;
-                Backend::new(i, b, engine, Arc::clone(&waiters), &mut tls).map(Arc::new)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Pool {
-            backends,
-            stale_after: config.poller.stale_after(),
-            waiters,
-        })
+                let mut tls = pool
+                    .tls
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                Backend::new(i, b, engine, Arc::clone(&pool.waiters), &mut tls)?;
+            }
+            let desired = config
+                .backends
+                .iter()
+                .cloned()
+                .map(crate::discovery::DesiredBackend::new)
+                .collect();
+            pool.reconcile("static", desired);
+        }
+        Ok(pool)
     }
 
-    pub fn backends(&self) -> &[Arc<Backend>] {
-        &self.backends
+    fn engine(&self, name: &str) -> Option<EngineMetricNames> {
+        self.engines
+            .get(name)
+            .cloned()
+            .or_else(|| EngineMetricNames::builtin(name))
+    }
+
+    /// The current members (a snapshot: later changes do not affect it).
+    pub fn backends(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.members.load_full()
+    }
+
+    /// Run `hook` for every backend that leaves the pool from now on.
+    pub fn on_removed(&self, hook: RemovalHook) {
+        self.hooks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(hook);
+    }
+
+    /// Set `inferlb_backends{state}`: members by state (called when metrics are rendered).
+    pub fn count_states(&self) {
+        let clock = tokio::time::Instant::now();
+        let (mut healthy, mut unhealthy, mut ejected) = (0u32, 0u32, 0u32);
+        for b in self.members.load().iter() {
+            if b.passive.admission(clock) == Admission::Closed {
+                ejected += 1;
+            } else if b.state.load().healthy {
+                healthy += 1;
+            } else {
+                unhealthy += 1;
+            }
+        }
+        // Departed backends still referenced by running requests.
+        let draining = self
+            .slots
+            .in_use()
+            .saturating_sub(self.members.load().len());
+        for (state, n) in [
+            ("healthy", healthy as f64),
+            ("unhealthy", unhealthy as f64),
+            ("ejected", ejected as f64),
+            ("draining", draining as f64),
+        ] {
+            metrics::gauge!(t::BACKENDS, "state" => state).set(n);
+        }
+    }
+
+    /// Follow membership changes (the value is a generation counter).
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
     }
 
     pub fn stale_after(&self) -> Duration {
@@ -335,15 +482,15 @@ impl Pool {
     }
 
     fn may_eject(&self, backend: &Backend, cfg: &OutlierConfig) -> bool {
-        let n = self.backends.len();
-        let out = self.backends.iter().filter(|b| b.passive.is_out()).count();
+        let members = self.members.load();
+        let n = members.len();
+        let out = members.iter().filter(|b| b.passive.is_out()).count();
         let cap = (n.saturating_mul(cfg.max_ejection_percent as usize) / 100).max(1);
         if out >= cap {
             tracing::warn!(backend = %backend.name, out, cap, "not ejecting: the fleet's ejection cap is reached");
             return false;
         }
-        let others: Vec<Arc<BackendState>> = self
-            .backends
+        let others: Vec<Arc<BackendState>> = members
             .iter()
             .filter(|b| b.id != backend.id && !b.passive.is_out())
             .map(|b| b.state())
@@ -366,17 +513,21 @@ impl Pool {
 
     /// Some backend lists `model` in its `/v1/models` (or config).
     pub fn lists_model(&self, model: &str) -> bool {
-        self.backends.iter().any(|b| b.state.load().serves(model))
+        self.members
+            .load()
+            .iter()
+            .any(|b| b.state.load().serves(model))
     }
 
     pub fn any_healthy(&self) -> bool {
-        self.backends.iter().any(|b| b.state.load().healthy)
+        self.members.load().iter().any(|b| b.state.load().healthy)
     }
 
-    /// Candidates for one scheduling decision, with their states read once.
-    pub fn candidates(&self, now: Instant) -> Vec<Candidate<'_>> {
+    /// Candidates for one scheduling decision among `members` (a snapshot from
+    /// [`Pool::backends`]), with their states read once.
+    pub fn candidates<'a>(&self, members: &'a [Arc<Backend>], now: Instant) -> Vec<Candidate<'a>> {
         let clock = tokio::time::Instant::now();
-        self.backends
+        members
             .iter()
             .map(|backend| {
                 let state = backend.state();
@@ -425,7 +576,7 @@ impl<'a> Candidate<'a> {
         metrics: Option<LoadMetrics>,
         inflight: u64,
     ) -> Self {
-        let mut state = BackendState::initial(None);
+        let mut state = BackendState::initial(None, backend.state().epoch);
         state.healthy = true;
         let fresh = metrics.is_some();
         state.metrics = metrics.map(|m| (m, Instant::now()));

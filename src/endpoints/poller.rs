@@ -7,6 +7,7 @@
 //! admits at once). A page that arrives but cannot be parsed is counted as an error and ignored:
 //! the backend is up, so its health is not touched, and its previous metrics simply go stale.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -69,7 +70,7 @@ pub fn next_state(
     if answered {
         next.consecutive_failures = 0;
         next.consecutive_successes = prev.consecutive_successes.saturating_add(1);
-        let first_ever = !prev.healthy && prev.epoch == 0 && !prev.seen;
+        let first_ever = !prev.healthy && !prev.seen;
         if !prev.healthy && (first_ever || next.consecutive_successes >= cfg.healthy_after) {
             next.healthy = true;
             if !first_ever {
@@ -175,14 +176,16 @@ impl Poller {
 
     /// Poll every backend once, concurrently, and wait for all of them (bounded by the timeout).
     pub async fn first_pass(&self) {
-        let passes = self.pool.backends().iter().map(|b| async {
+        let members = self.pool.backends();
+        let passes = members.iter().map(|b| async {
             self.poll_once(&mut None, &mut self.target(b), &Handles::new(b), b, true)
                 .await
         });
         futures_util::future::join_all(passes).await;
     }
 
-    /// Start one loop per backend; they stop when `shutdown` changes or is dropped.
+    /// Keep one loop per member backend — started when a backend joins, stopped when it
+    /// leaves — until `shutdown` changes or is dropped.
     ///
     /// The loops run on a thread of their own with a single-threaded runtime: thousands of
     /// small scrapes a second then cost no cross-thread wake-ups, and a burst of scrape work
@@ -190,17 +193,7 @@ impl Poller {
     /// thread cannot be started, the loops run on the current runtime instead.
     pub fn spawn(&self, shutdown: watch::Receiver<bool>) {
         let this = self.clone();
-        let loops = move || {
-            let epoch = Instant::now();
-            let mut set = tokio::task::JoinSet::new();
-            for backend in this.pool.backends() {
-                set.spawn(
-                    this.clone()
-                        .run(Arc::clone(backend), epoch, shutdown.clone()),
-                );
-            }
-            async move { while set.join_next().await.is_some() {} }
-        };
+        let loops = move || this.supervise(shutdown);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build();
@@ -214,6 +207,44 @@ impl Poller {
             tracing::warn!(error = %e, "no poller thread; polling on the main runtime");
             tokio::spawn(async move { loops().await });
         }
+    }
+
+    /// Follow membership: start a loop for each backend that joins, stop the loop of each that
+    /// leaves. The work per change is one pass over the members.
+    async fn supervise(self, mut shutdown: watch::Receiver<bool>) {
+        let epoch = Instant::now();
+        let mut loops = tokio::task::JoinSet::new();
+        let mut running: HashMap<usize, tokio::task::AbortHandle> = HashMap::new();
+        let mut changes = self.pool.changes();
+        loop {
+            let members = self.pool.backends();
+            let live: HashSet<usize> = members.iter().map(|b| b.uid).collect();
+            running.retain(|uid, handle| {
+                let keep = live.contains(uid);
+                if !keep {
+                    handle.abort();
+                }
+                keep
+            });
+            for backend in members.iter() {
+                if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(backend.uid)
+                {
+                    slot.insert(loops.spawn(self.clone().run(
+                        Arc::clone(backend),
+                        epoch,
+                        shutdown.clone(),
+                    )));
+                }
+            }
+            drop(members);
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { break },
+                _ = shutdown.changed() => break,
+                // Reap loops that ended (aborted ones, or a shutdown).
+                Some(_) = loops.join_next(), if !loops.is_empty() => {}
+            }
+        }
+        loops.shutdown().await;
     }
 
     /// One backend's loop: scrape on every tick of the shared grid until shutdown.
@@ -476,7 +507,7 @@ mod tests {
     }
 
     fn fresh() -> BackendState {
-        BackendState::initial(None)
+        BackendState::initial(None, 0)
     }
 
     #[test]

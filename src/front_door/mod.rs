@@ -235,7 +235,7 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
 async fn models(State(app): State<Arc<AppState>>) -> Response {
     let mut seen = std::collections::HashSet::new();
     let mut data = Vec::new();
-    for backend in app.pool.backends() {
+    for backend in app.pool.backends().iter() {
         let state = backend.state();
         if !state.healthy {
             continue;
@@ -263,6 +263,7 @@ async fn ready(State(app): State<Arc<AppState>>) -> Response {
 }
 
 async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
+    app.pool.count_states();
     match &app.metrics {
         Some(handle) => (
             [(

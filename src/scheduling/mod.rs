@@ -73,9 +73,10 @@ impl Scheduler {
         exclude: &[usize],
     ) -> Result<InflightGuard, Refused> {
         let now = Instant::now();
+        let members = self.pool.backends();
         let mut lost: Vec<usize> = Vec::new();
         for _ in 0..MAX_RACES {
-            let mut candidates = self.pool.candidates(now);
+            let mut candidates = self.pool.candidates(&members, now);
             candidates
                 .retain(|c| !exclude.contains(&c.backend.id) && !lost.contains(&c.backend.id));
             match self.profile.run(request, state, &mut candidates) {
@@ -93,7 +94,7 @@ impl Scheduler {
                 }
             }
         }
-        let mut candidates = self.pool.candidates(now);
+        let mut candidates = self.pool.candidates(&members, now);
         candidates.retain(|c| !exclude.contains(&c.backend.id));
         let eligible = self.profile.uncapped(request, &mut candidates);
         if eligible.is_empty() {

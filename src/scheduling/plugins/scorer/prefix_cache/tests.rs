@@ -176,14 +176,15 @@ fn a_scrape_without_geometry_keeps_the_capacity_in_use() {
     let v = view("aaaabbbbcccc");
     let (_, state) = score(&s, &v, &[Candidate::with_metrics(&b[0], None, 0)]);
     s.after_pick(&v, &state, &b[0]);
-    assert_eq!(s.index().capacity(0, 0), Some(10));
+    let epoch = b[0].state().epoch;
+    assert_eq!(s.index().capacity(0, epoch), Some(10));
     with_geometry(None);
     assert_eq!(s.capacity(&b[0], &b[0].state()), 10);
     s.after_pick(&v, &state, &b[0]);
     assert_eq!(s.index().blocks(), 3, "records kept");
     with_geometry(Some(2));
     s.after_pick(&view("ddddeeee"), &CycleState::default(), &b[0]);
-    assert_eq!(s.index().capacity(0, 0), Some(2));
+    assert_eq!(s.index().capacity(0, epoch), Some(2));
     assert_eq!(s.index().blocks(), 2);
 }
 
