@@ -61,6 +61,10 @@ pub struct FakeState {
     /// Streams send this many extra chunks, one every `drip_ms`, before `[DONE]`.
     pub drip_chunks: std::sync::atomic::AtomicU64,
     pub drip_ms: std::sync::atomic::AtomicU64,
+    /// Requests that matched none of the routes above (any method, any path), and the last
+    /// such path: a router that lets a client steer it elsewhere shows up here.
+    pub stray: std::sync::atomic::AtomicU64,
+    pub last_stray: Mutex<Option<String>>,
 }
 
 pub struct FakeBackend {
@@ -94,13 +98,19 @@ impl FakeBackend {
             stream_abandoned: watch::channel(false).0,
             drip_chunks: 0.into(),
             drip_ms: 0.into(),
+            stray: 0.into(),
+            last_stray: Mutex::new(None),
         });
         let app = Router::new()
             .route("/metrics", get(metrics))
+            // The poller asks for vLLM's filtered page first; this backend, like an older
+            // vLLM, has none (the poller falls back to `/metrics`).
+            .route("/metrics/", get(StatusCode::NOT_FOUND))
             .route("/v1/models", get(list_models))
             .route("/v1/chat/completions", post(complete))
             .route("/v1/completions", post(complete))
             .route("/v1/embeddings", post(complete))
+            .fallback(stray)
             .with_state(Arc::clone(&state));
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -163,6 +173,12 @@ async fn metrics(State(s): State<Arc<FakeState>>) -> Response {
         m.waiting, m.running, m.kv
     )
     .into_response()
+}
+
+async fn stray(State(s): State<Arc<FakeState>>, uri: axum::http::Uri) -> Response {
+    s.stray.fetch_add(1, Ordering::SeqCst);
+    *s.last_stray.lock().unwrap() = Some(uri.to_string());
+    StatusCode::NOT_FOUND.into_response()
 }
 
 async fn list_models(State(s): State<Arc<FakeState>>) -> Response {
