@@ -47,7 +47,7 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
         name: "smoke".into(),
         workload: WorkloadSpec::SharedPrefix {
             groups: 2,
-            prompts: 3,
+            prompts: 8,
             system_tokens: 96,
             question_tokens: 16,
             output_tokens: 8,
@@ -61,7 +61,7 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
         max_num_seqs: 256,
         time_scale: 20.0,
         arrival: Arrival::Closed { concurrency: 2 },
-        max_requests: Some(6),
+        max_requests: Some(16),
         duration: Duration::from_secs(600),
         think_time: Duration::ZERO,
         policies: vec![builtin("random").unwrap(), builtin("default").unwrap()],
@@ -75,9 +75,9 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
     assert_eq!(out.rows.len(), 2);
     for row in &out.rows {
         let s = row.summary.as_ref().unwrap_or_else(|| panic!("{row:?}"));
-        assert_eq!(s.ok, 6, "{}: {:?}", row.policy, s.errors);
+        assert_eq!(s.ok, 16, "{}: {:?}", row.policy, s.errors);
         assert_eq!(s.error_count(), 0);
-        assert!(s.ttft.p50 > 0.0 && s.output_tokens == 6 * 8);
+        assert!(s.ttft.p50 > 0.0 && s.output_tokens == 16 * 8);
         let fleet = s.fleet.as_ref().unwrap();
         assert_eq!(fleet.backends, 2);
         assert!(fleet.prefix_cache_queries > 0.0);
@@ -88,8 +88,16 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
     assert!(max > 0.4, "max achievable hit rate {max}");
     let default = out.row("default").unwrap();
     let hit = default.fleet.as_ref().unwrap().hit_rate;
-    assert!(hit > 0.0, "default profile never hit the cache");
+    let random = out.row("random").unwrap().fleet.as_ref().unwrap().hit_rate;
     assert!(hit <= max + 1e-9, "hit rate {hit} above the bound {max}");
+    // The same requests under random routing: each backend's cache holds about one group's
+    // prefix, so random placement keeps evicting. Random reaches the default's hits only if
+    // every one of the 14 repeats lands where its group lives (~2 × 2^-14 when the default is
+    // at the bound), so `hit > random` fails on broken affinity, not on bad luck.
+    assert!(
+        hit > random,
+        "the default profile (hit rate {hit}) did no better than random ({random}); bound {max}"
+    );
     let table = out.table();
     assert!(
         table.contains("random") && table.contains("default"),
