@@ -273,3 +273,41 @@ async fn client_disconnect_aborts_and_frees_kv_cache() {
     assert_eq!(after.kv_usage, 0.0);
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_a_non_streaming_request_aborts_it_and_releases_inflight() {
+    use tokio::io::AsyncWriteExt;
+    // 2000 tokens at 5× take ~2.4 s: the request is still generating when the client leaves.
+    let sims = fleet(1, 5.0).await;
+    let router: TestRouter = start_router(config(&sims)).await;
+    let url = sims[0].url();
+    until_backends_json(&router, |v| healthy(v, &url)).await;
+    let body = chat_body(&"a prompt that fills some blocks ".repeat(20), 2000, false).to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let (held, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.running == 1 && s.used_blocks > 0
+        })
+        .await;
+    assert!(ok, "the request should be running: {held:?}");
+    until_backends_json(&router, |v| v["backends"][0]["inflight"] == 1).await;
+    // The client goes away before any byte of the answer.
+    drop(socket);
+    let (after, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.aborted == 1 && s.used_blocks == 0 && s.running == 0
+        })
+        .await;
+    assert!(
+        ok,
+        "the backend must abort the request and free its blocks: {after:?}"
+    );
+    assert_eq!(after.finished, 0, "it was aborted, not finished: {after:?}");
+    until_backends_json(&router, |v| v["backends"][0]["inflight"] == 0).await;
+    router.shutdown().await;
+}
