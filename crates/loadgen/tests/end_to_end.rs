@@ -278,3 +278,72 @@ async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
     assert_eq!(out.summary.ok, 0);
     assert_eq!(out.summary.errors.get("connect"), Some(&5));
 }
+
+/// Whole prompts sent again and a cache small enough to preempt: every hit rate measured —
+/// vLLM's counter and the once-per-request one — stays at or under the bound, in a run that
+/// really did preempt and repeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measured_hit_rate_never_exceeds_the_bound_with_repeats_and_preemption() {
+    let spec = WorkloadSpec::SharedPrefix {
+        groups: 2,
+        prompts: 3,
+        system_tokens: 96,
+        question_tokens: 32,
+        output_tokens: 48,
+        zipf: 0.0,
+    };
+    let workload = Arc::new(Workload::new(spec, 7));
+    // Each request needs ~11 blocks of 16 tokens by its end; 8 at once need ~90 and there
+    // are 40: running requests are preempted and come back.
+    let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+        time_scale: 50.0,
+        block_size: 16,
+        num_gpu_blocks: 40,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut cfg = direct_run(
+        &sim.url(),
+        Arrival::Closed { concurrency: 8 },
+        &workload,
+        vec![sim.url()],
+    );
+    // Four passes over the 6 prompts: every prompt is sent again three times.
+    cfg.max_requests = Some(24);
+    let out = run(cfg, Arc::clone(&workload)).await.unwrap();
+    let s = &out.summary;
+    assert_eq!(s.ok, 24, "{:?}", s.errors);
+    let fleet = s.fleet.as_ref().unwrap();
+    let bound = s.max_hit.unwrap();
+    assert!(fleet.preemptions > 0.0, "the run must preempt: {fleet:?}");
+    assert!(
+        bound.max_hit_tokens > bound.prefix_only_hit_tokens,
+        "whole-prompt repeats must count in the bound: {bound:?}"
+    );
+    let per_request = fleet.hit_rate_per_request.unwrap();
+    eprintln!(
+        "bound {:.3} (prefix only {:.3}); vLLM counter {:.3}, per request {per_request:.3}; \
+         {} preemptions",
+        bound.rate(),
+        bound.prefix_only_rate(),
+        fleet.hit_rate,
+        fleet.preemptions
+    );
+    assert!(
+        fleet.hit_rate <= bound.rate() + 1e-9,
+        "vLLM's counter {} above the bound {}",
+        fleet.hit_rate,
+        bound.rate()
+    );
+    assert!(
+        per_request <= bound.rate() + 1e-9,
+        "once per request {per_request} above the bound {}",
+        bound.rate()
+    );
+    assert!(s.hit_rate_vs_max.unwrap() <= 1.0 + 1e-9);
+    // The two figures agree on what was sent: every prompt token counted once.
+    assert_eq!(fleet.prompt_tokens as u64, bound.prompt_tokens);
+    assert_eq!(fleet.prefix_cache_queries as u64, bound.prompt_tokens);
+    sim.shutdown().await;
+}
