@@ -66,15 +66,17 @@ lines = ["# Routing policies on two real vLLM 0.32 servers (CPU build, tiny rand
          f"- machine: nproc {os.cpu_count()}, CPU {cpu}", f"- date: {datetime.datetime.utcnow().isoformat(timespec='seconds')}Z",
          open(os.path.join(out, "provenance.md")).read().rstrip("\n"),
          "- workload: shared-prefix, 14 groups × 4 prompts, system 300 / question 30 / output 8 loadgen tokens, Poisson 3 req/s, seed 1; servers restarted cold per policy",
-         "- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers, read from vLLM itself", "",
-         "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | request share per server | errors |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+         "- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers, read from vLLM itself; hit/req: Δvllm:prompt_tokens_cached_total ÷ Δvllm:prompt_tokens_total (each request once)", "",
+         "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit/req | request share per server | errors |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 for p in policies:
     s = json.load(open(os.path.join(out, p + ".json")))
     f = s.get("fleet") or {}
     share = " / ".join(f"{v*100:.0f}%" for v in (f.get("request_share") or {}).values())
     lines.append(f"| {p} | {s['ok']}/{s['requests']} | {s['ttft']['p50']*1000:.0f} ms | {s['ttft']['p90']*1000:.0f} ms | "
-                 f"{s['e2e']['p90']*1000:.0f} ms | {f.get('hit_rate', 0):.3f} | {share} | {json.dumps(s['errors'])} |")
+                 f"{s['e2e']['p90']*1000:.0f} ms | {f.get('hit_rate', 0):.3f} | "
+                 + ("-" if f.get('hit_rate_per_request') is None else f"{f['hit_rate_per_request']:.3f}")
+                 + f" | {share} | {json.dumps(s['errors'])} |")
 text = "\n".join(lines) + "\n"
 print(text)
 path = f"bench/results/real-vllm-{datetime.date.today().isoformat()}.md"
