@@ -22,6 +22,14 @@ if [ -x "$VENV/bin/vllm-router" ]; then
   EXT+=(--router-cmd "vllm-router-cache-aware=$VENV/bin/vllm-router --worker-urls {workers} --policy cache_aware --host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {metrics_port}")
 fi
 
-$LG compare --workload shared-prefix "${EXT[@]}" "$@"
+# The results header names the versions of the external routers measured (loadgen records
+# the commit and freshness of its own binaries).
+NOTES=()
+for pkg in sglang-router vllm-router; do
+  v=$("$VENV/bin/pip" show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  [ -n "$v" ] && NOTES+=(--note "external router: $pkg $v (PyPI, $VENV)")
+done
+
+$LG compare --workload shared-prefix "${EXT[@]}" "${NOTES[@]}" "$@"
 $LG compare --workload unique --policies random,round-robin,load-only,default "$@"
 $LG compare --workload multi-turn --policies random,round-robin,load-only,default "$@"

@@ -7,11 +7,15 @@ tip a good policy into a queue that a quiet run never sees. A single run therefo
 about a policy; the median of a few identical runs (same seed, same workload, every policy in
 each repetition, cold fleets throughout) says more, and the min–max column shows the spread.
 
-usage: bench/compare_repeat.py REPEATS OUT_MD [loadgen compare arguments…]
+usage: bench/compare_repeat.py [--no-build] REPEATS OUT_MD [loadgen compare arguments…]
   e.g. bench/compare_repeat.py 5 bench/results/compare-shared-prefix-median.md \\
            --workload shared-prefix --policies random,round-robin,load-only,prefix-only,default
 
 Each repetition's own table and JSON go to OUT_MD without its extension, under repeat-N/.
+
+The binaries measured are built first (`cargo build --release -p loadgen -p inferlb`); with
+--no-build they are not, and a binary older than the sources is refused. OUT_MD names the
+source commit, its uncommitted changes and each binary's freshness (bench/provenance.py).
 """
 import json
 import os
@@ -22,6 +26,8 @@ import sys
 from datetime import datetime, timezone
 
 LOADGEN = os.environ.get("LOADGEN", "target/release/loadgen")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402  (bench/provenance.py)
 
 # (column, getter, format): getters take one policy's summary dict and its compare output.
 COLUMNS = [
@@ -31,6 +37,7 @@ COLUMNS = [
     ("TTFT p99", lambda s: s["ttft"]["p99"], "{:.3f}s"),
     ("E2E p90", lambda s: s["e2e"]["p90"], "{:.3f}s"),
     ("hit rate", lambda s: (s.get("fleet") or {}).get("hit_rate"), "{:.3f}"),
+    ("hit/req", lambda s: (s.get("fleet") or {}).get("hit_rate_per_request"), "{:.3f}"),
     ("hit/max", lambda s: s.get("hit_rate_vs_max"), "{:.2f}"),
     ("preempt", lambda s: (s.get("fleet") or {}).get("preemptions"), "{:.0f}"),
     ("errors", lambda s: sum(s.get("errors", {}).values()), "{:.0f}"),
@@ -49,11 +56,28 @@ def cpu_model():
 
 
 def main():
-    if len(sys.argv) < 3:
+    argv = sys.argv[1:]
+    build = True
+    if argv and argv[0] == "--no-build":
+        build = False
+        argv = argv[1:]
+    if len(argv) < 2:
         sys.exit(__doc__)
-    repeats = int(sys.argv[1])
-    out_md = sys.argv[2]
-    args = sys.argv[3:]
+    repeats = int(argv[0])
+    out_md = argv[1]
+    args = argv[2:]
+    inferlb_bin = "target/release/inferlb"
+    for i, a in enumerate(args):
+        if a == "--inferlb-bin" and i + 1 < len(args):
+            inferlb_bin = args[i + 1]
+        elif a.startswith("--inferlb-bin="):
+            inferlb_bin = a.split("=", 1)[1]
+    if build:
+        subprocess.run(["cargo", "build", "--release", "-p", "loadgen", "-p", "inferlb"], check=True)
+    header, stale = provenance.facts([LOADGEN, inferlb_bin])
+    if stale:
+        sys.exit(f"compare_repeat.py: refusing to measure stale or missing binaries: {', '.join(stale)} "
+                 "(run without --no-build, or build them)")
     base = os.path.splitext(os.path.abspath(out_md))[0]
     runs = []  # one compare output per repetition
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -89,9 +113,10 @@ def main():
     lines = [
         f"# loadgen compare, median of {repeats} runs: {runs[0]['name']}",
         "",
-        f"- command: `bench/compare_repeat.py {repeats} {out_md} {' '.join(args)}`",
+        f"- command: `bench/compare_repeat.py {' '.join(sys.argv[1:])}`",
         f"- machine: nproc {os.cpu_count()}, CPU {cpu_model()}",
         f"- date: {started}",
+        *header,
         "",
         "Each cell: median over the runs, then [min–max]. Every repetition runs every policy on "
         "a cold fleet with the same seed and workload.",
@@ -119,7 +144,9 @@ def main():
         f"{first['block_size']} tokens; times in simulated seconds (time scale "
         f"{first['time_scale']}); max achievable hit rate "
         + (f"{first['max_hit_rate']:.3f}" if first.get("max_hit_rate") is not None else "-")
-        + " (shared prefixes each missing once).",
+        + " (one unlimited cache keeping every prompt and answer); hit rate = vLLM's prefix-cache "
+        "counter, hit/req = cached ÷ prompt tokens with each request counted once, hit/max = "
+        "hit/req ÷ the maximum.",
     ]
     # Ratios of the default profile against the baselines the issue names, on the medians.
     if "default" in policies:

@@ -98,9 +98,12 @@ curl -sf "http://127.0.0.1:$LB_PORT/metrics" | grep '^inferlb_upstream_connectio
 DATE=$(date -u +%Y-%m-%d)
 OUT=bench/results/overhead-$DATE.md
 mkdir -p bench/results
+NGINX_VERSION=$("$NGINX" -v 2>&1 | sed 's/^nginx version: //')
+python3 bench/provenance.py --note "nginx: $NGINX_VERSION" target/release/inferlb target/release/loadgen target/release/vllm-sim >"$WORK/provenance.md"
 python3 - "$WORK" "$OUT" "$DUR" "$CONC" "$BACKENDS" <<'PY'
 import json, sys, subprocess, datetime, os
 work, out, dur, conc, nb = sys.argv[1:]
+provenance = open(f"{work}/provenance.md").read().rstrip("\n")
 cpu = next((l.split(':',1)[1].strip() for l in subprocess.run(['lscpu'],capture_output=True,text=True).stdout.splitlines() if l.startswith('Model name')), 'unknown')
 nproc = subprocess.run(['nproc'],capture_output=True,text=True).stdout.strip()
 rows = []
@@ -108,6 +111,7 @@ lines = [f"# Proxy overhead: direct vs inferlb vs nginx\n",
          f"- command: `bench/overhead.sh {dur} {conc}`",
          f"- machine: nproc {nproc}, CPU {cpu} (shared with other work; absolute numbers are indicative, ratios matter)",
          f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
+         provenance,
          f"- setup: {nb} `vllm-sim --instant` backends; loadgen closed loop, {conc} clients, {dur} s per cell, unique 48-token prompts, max_tokens 100 (ignore_eos); inferlb default profile; nginx `worker_processes 2`, upstream keepalive 256, round robin, proxy_buffering off; all on 127.0.0.1\n"]
 for mode, title in [('whole','Non-streaming'),('stream','Streaming (SSE, 100 chunks)')]:
     d = {n: json.load(open(f"{work}/{n}-{mode}.json")) for n in ['direct','inferlb','nginx']}

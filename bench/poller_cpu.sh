@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 N=${1:-100}
 SECS=${2:-60}
 cargo build --release -q -p inferlb -p vllm-sim
+# For the results file: the commit and freshness of what is measured, and the machine's load.
+python3 bench/provenance.py target/release/inferlb target/release/vllm-sim
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 BASE=$(free_port)
 LISTEN=$(free_port)

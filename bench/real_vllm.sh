@@ -16,6 +16,9 @@ P2=${P2:-18101}
 export BLOCKS=${BLOCKS:-64}
 OUT=$(mktemp -d)
 cargo build --release -q -p inferlb -p loadgen
+VLLM_ROOT=${ROOT:-$HOME/.cache/inferlb-real-vllm}
+VLLM_VERSION=$("$VLLM_ROOT/venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo "unknown")
+python3 bench/provenance.py --note "vLLM: $VLLM_VERSION ($VLLM_ROOT/venv)" target/release/inferlb target/release/loadgen >"$OUT/provenance.md"
 LB=""
 cleanup() { [ -n "$LB" ] && kill "$LB" 2>/dev/null || true; [ -n "${EXISTING:-}" ] || STOP=1 "$SERVE" "$P1" "$P2" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
@@ -61,16 +64,19 @@ cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], captu
 lines = ["# Routing policies on two real vLLM 0.32 servers (CPU build, tiny random-weight model)", "",
          f"- command: `bench/real_vllm.sh \"{' '.join(policies)}\"` (BLOCKS=64: 64 KV blocks of 128 tokens per server)",
          f"- machine: nproc {os.cpu_count()}, CPU {cpu}", f"- date: {datetime.datetime.utcnow().isoformat(timespec='seconds')}Z",
+         open(os.path.join(out, "provenance.md")).read().rstrip("\n"),
          "- workload: shared-prefix, 14 groups × 4 prompts, system 300 / question 30 / output 8 loadgen tokens, Poisson 3 req/s, seed 1; servers restarted cold per policy",
-         "- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers, read from vLLM itself", "",
-         "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | request share per server | errors |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+         "- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers, read from vLLM itself; hit/req: Δvllm:prompt_tokens_cached_total ÷ Δvllm:prompt_tokens_total (each request once)", "",
+         "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit/req | request share per server | errors |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 for p in policies:
     s = json.load(open(os.path.join(out, p + ".json")))
     f = s.get("fleet") or {}
     share = " / ".join(f"{v*100:.0f}%" for v in (f.get("request_share") or {}).values())
     lines.append(f"| {p} | {s['ok']}/{s['requests']} | {s['ttft']['p50']*1000:.0f} ms | {s['ttft']['p90']*1000:.0f} ms | "
-                 f"{s['e2e']['p90']*1000:.0f} ms | {f.get('hit_rate', 0):.3f} | {share} | {json.dumps(s['errors'])} |")
+                 f"{s['e2e']['p90']*1000:.0f} ms | {f.get('hit_rate', 0):.3f} | "
+                 + ("-" if f.get('hit_rate_per_request') is None else f"{f['hit_rate_per_request']:.3f}")
+                 + f" | {share} | {json.dumps(s['errors'])} |")
 text = "\n".join(lines) + "\n"
 print(text)
 path = f"bench/results/real-vllm-{datetime.date.today().isoformat()}.md"

@@ -55,6 +55,13 @@ def main():
     args = ap.parse_args()
     rng = random.Random(args.seed)
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "inferlb", "-p", "vllm-sim", "-p", "loadgen"], cwd=ROOT, check=True)
+    # The commit and freshness of what is measured, and the machine's load (bench/provenance.py).
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import provenance
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    provenance_lines, _ = provenance.facts([os.path.join("target", "release", b) for b in ("inferlb", "vllm-sim", "loadgen")])
+    os.chdir(cwd)
 
     procs = []
     def stop_all():
@@ -183,7 +190,8 @@ def main():
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
     out = [f"# Soak: {args.minutes:g} minutes of mixed streaming load with failing backends", "",
            f"- command: `bench/soak.py --minutes {args.minutes:g} --rate {args.rate:g} --backends {args.backends} --seed {args.seed}`",
-           f"- machine: nproc {os.cpu_count()}, CPU {cpu}", f"- date: {datetime.datetime.utcnow().isoformat(timespec='seconds')}Z", "",
+           f"- machine: nproc {os.cpu_count()}, CPU {cpu}", f"- date: {datetime.datetime.utcnow().isoformat(timespec='seconds')}Z",
+           *provenance_lines, "",
            f"Workload: shared-prefix, 24 groups with Zipf(1.0) popularity, 800+80 prompt tokens, 60 output tokens, streaming, "
            f"Poisson {args.rate:g} requests/s for {seconds} s, {args.backends} simulated backends (time scale 10). "
            f"Faults: {len(faults_log)} injected, 5-15 s each, one backend at a time.", "",

@@ -5,6 +5,8 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use common::FakeBackend;
 
@@ -120,13 +122,61 @@ async fn binary_serves_requests_with_cli_overrides() {
     assert!(status.success(), "{status:?}");
 }
 
-/// Start the binary in front of `backend`; returns the child and its address.
-fn spawn_binary(backend: &FakeBackend) -> (std::process::Child, String) {
+/// A running binary: the child, its address, and its JSON log lines as they are written.
+struct Running {
+    child: std::process::Child,
+    addr: String,
+    logs: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+}
+
+impl Running {
+    /// Wait (at most 10 s) for the log line whose message is `message`; earlier lines are
+    /// skipped. The log is the process's own account of what it did, so this waits for the
+    /// event itself, not for a guess at how long it takes.
+    async fn log(&mut self, message: &str) -> serde_json::Value {
+        let wait = async {
+            while let Some(v) = self.logs.recv().await {
+                if v["fields"]["message"] == message {
+                    return Some(v);
+                }
+            }
+            None
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("no `{message}` log line within 10 s"))
+            .unwrap_or_else(|| panic!("the process ended its log without `{message}`"))
+    }
+
+    fn signal(&self, name: &str) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill")
+            .args([name, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    /// Wait (at most 10 s) for the process to exit.
+    async fn exit(self) -> std::process::ExitStatus {
+        let mut child = self.child;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::task::spawn_blocking(move || child.wait().unwrap()),
+        )
+        .await
+        .expect("the process did not exit within 10 s")
+        .unwrap()
+    }
+}
+
+/// Start the binary in front of `backend` with the shipped config.
+fn spawn_binary(backend: &FakeBackend) -> Running {
     spawn_with(&["--config", "config.toml", "--backend", &backend.url()])
 }
 
-/// Start the binary with `args` on a free port; returns the child and its address.
-fn spawn_with(args: &[&str]) -> (std::process::Child, String) {
+/// Start the binary with `args` on a free port; returns once it announced its address.
+fn spawn_with(args: &[&str]) -> Running {
     let mut child = Command::new(BIN)
         .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
         .args(args)
@@ -135,30 +185,38 @@ fn spawn_with(args: &[&str]) -> (std::process::Child, String) {
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        // The demo also prints plain lines for people; only JSON log lines matter here.
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line.unwrap()) else {
-            continue;
-        };
-        if let Some(addr) = v["fields"]["main_addr"].as_str() {
-            // Keep draining stdout so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines {});
-            return (child, addr.to_owned());
+    let (tx, logs) = tokio::sync::mpsc::unbounded_channel();
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    // Keep draining stdout so the child never blocks on a full pipe; forward JSON log lines.
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // The demo also prints plain lines for people; only JSON log lines matter here.
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if let Some(addr) = v["fields"]["main_addr"].as_str() {
+                let _ = addr_tx.send(addr.to_owned());
+            }
+            let _ = tx.send(v);
+        }
+    });
+    match addr_rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(addr) => Running { child, addr, logs },
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the binary never announced its address");
         }
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("the binary never announced its address");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn first_signal_drains_second_exits_at_once() {
+/// A streaming request through the binary whose backend holds the stream after its first
+/// chunk; returns the body stream once that chunk has arrived.
+async fn held_stream(
+    addr: &str,
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin {
     use futures_util::StreamExt;
-    use std::sync::atomic::Ordering;
-    let backend = FakeBackend::start("a", &["m"]).await;
-    backend.state.hold_streams.store(true, Ordering::Relaxed);
-    let (child, addr) = tokio::task::block_in_place(|| spawn_binary(&backend));
     let body = serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
     let resp = reqwest::Client::new()
         .post(format!("http://{addr}/v1/chat/completions"))
@@ -166,40 +224,131 @@ async fn first_signal_drains_second_exits_at_once() {
         .send()
         .await
         .unwrap();
+    assert_eq!(resp.status(), 200);
     let mut stream = resp.bytes_stream();
-    let _first = stream.next().await.unwrap().unwrap();
-    let pid = child.id().to_string();
-    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    // Draining: the listener closes at once, but the held stream keeps the process alive.
-    let mut refused = false;
-    for _ in 0..1000 {
-        if tokio::net::TcpStream::connect(&addr).await.is_err() {
-            refused = true;
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert!(refused, "the first signal must close the listener");
-    let mut child = child;
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: {\"first\""), "{first:?}");
+    stream
+}
+
+/// The listener is closed once the process logs `draining` (it drops the listener first).
+async fn assert_refused(addr: &str) {
     assert!(
-        child.try_wait().unwrap().is_none(),
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "new connections must be refused during the drain"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_signal_drains_an_inflight_stream_then_exits_0() {
+    use futures_util::StreamExt;
+    let backend = FakeBackend::start("a", &["m"]).await;
+    backend.state.hold_streams.store(true, Ordering::Relaxed);
+    let mut bin = tokio::task::block_in_place(|| spawn_binary(&backend));
+    let mut stream = held_stream(&bin.addr).await;
+    bin.signal("-TERM");
+    let draining = bin.log("draining").await;
+    assert_eq!(draining["fields"]["connections"], 1, "{draining}");
+    assert_refused(&bin.addr).await;
+    assert!(
+        bin.child.try_wait().unwrap().is_none(),
         "must not exit while a stream is in flight"
     );
-    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let status = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        tokio::task::spawn_blocking(move || child.wait().unwrap()),
-    )
-    .await
-    .expect("the second signal must end the process promptly")
-    .unwrap();
+    // Let the stream finish: it completes through the draining process.
+    backend.state.gate.notify_one();
+    let mut rest = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    assert!(
+        rest.ends_with(b"data: [DONE]\n\n"),
+        "the in-flight stream completes: {}",
+        String::from_utf8_lossy(&rest)
+    );
+    let stopped = bin.log("inferlb stopped").await;
+    assert_eq!(stopped["fields"]["drained"], true, "{stopped}");
+    let status = bin.exit().await;
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_deadline_cuts_what_is_left_and_exits_0() {
+    use futures_util::StreamExt;
+    let backend = FakeBackend::start("a", &["m"]).await;
+    backend.state.hold_streams.store(true, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("inferlb-deadline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("deadline.toml");
+    std::fs::write(&config, "[server]\nshutdown_timeout_ms = 300\n").unwrap();
+    let config = config.to_str().unwrap().to_owned();
+    let mut bin = tokio::task::block_in_place(|| {
+        spawn_with(&["--config", &config, "--backend", &backend.url()])
+    });
+    let mut stream = held_stream(&bin.addr).await;
+    let signalled = std::time::Instant::now();
+    bin.signal("-TERM");
+    bin.log("draining").await;
+    assert_refused(&bin.addr).await;
+    // The stream is never released: the deadline ends it.
+    bin.log("drain deadline passed; closing remaining connections")
+        .await;
+    assert!(
+        signalled.elapsed() >= Duration::from_millis(300),
+        "the deadline came early: {:?}",
+        signalled.elapsed()
+    );
+    let stopped = bin.log("inferlb stopped").await;
+    assert_eq!(stopped["fields"]["drained"], false, "{stopped}");
+    let status = bin.exit().await;
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    // The client's stream ends there, unfinished, and the backend sees its request go away.
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(c) => rest.extend_from_slice(&c),
+                Err(_) => break,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the cut stream must end");
+    assert!(
+        !rest.ends_with(b"data: [DONE]\n\n"),
+        "held, yet it finished"
+    );
+    let mut abandoned = backend.state.stream_abandoned.subscribe();
+    tokio::time::timeout(Duration::from_secs(10), abandoned.wait_for(|v| *v))
+        .await
+        .expect("the backend must see the request go away")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_signal_drains_second_exits_at_once() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    backend.state.hold_streams.store(true, Ordering::Relaxed);
+    let mut bin = tokio::task::block_in_place(|| spawn_binary(&backend));
+    let _stream = held_stream(&bin.addr).await;
+    bin.signal("-TERM");
+    bin.log("draining").await;
+    assert_refused(&bin.addr).await;
+    assert!(
+        bin.child.try_wait().unwrap().is_none(),
+        "must not exit while a stream is in flight"
+    );
+    bin.signal("-TERM");
+    bin.log("second signal: exiting without waiting for in-flight requests")
+        .await;
+    let status = bin.exit().await;
     assert_eq!(status.code(), Some(130));
 }
 
 #[cfg(feature = "demo")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_serves_a_streaming_chat_in_front_of_simulators() {
-    let (mut child, addr) = tokio::task::block_in_place(|| spawn_with(&["--demo", "2"]));
+    let bin = tokio::task::block_in_place(|| spawn_with(&["--demo", "2"]));
+    let addr = bin.addr.clone();
     let body = serde_json::json!({
         "model": "demo-llama", "stream": true, "max_tokens": 4,
         "messages": [{"role": "user", "content": "Hello!"}]
@@ -215,12 +364,6 @@ async fn demo_serves_a_streaming_chat_in_front_of_simulators() {
     let text = resp.text().await.unwrap();
     assert_eq!(text.matches("chat.completion.chunk").count(), 5, "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success());
+    bin.signal("-TERM");
+    assert!(bin.exit().await.success());
 }

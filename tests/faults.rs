@@ -48,41 +48,62 @@ fn healthy(v: &serde_json::Value, url: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_killed_under_load_costs_no_client_errors() {
     let sims = fleet(3, 20.0).await;
-    let router = start_router(config(&sims)).await;
+    // Backend 0 holds every answer back (a minute: longer than the test), so the requests it
+    // takes are still open when it dies and must fail over; none can finish before the kill.
+    sims[0]
+        .faults()
+        .set_first_token_stall(Duration::from_secs(60));
+    let mut cfg = config(&sims);
+    // About 15 of the 45 requests are held on backend 0 when it dies and are all retried at
+    // once (15 in 5 runs). The default retry budget (a reserve of 10 plus 0.2 per request) is
+    // sized for steady traffic, not this burst, and is unit-tested in admission.rs; here the
+    // reserve is large so that failover, not the budget, is what is tested.
+    cfg.forward.retry_budget_min_per_sec = 100;
+    let router = start_router(cfg).await;
     let url = router.url("/v1/chat/completions");
     let mut tasks = Vec::new();
     for i in 0..45 {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             let body = chat_body(&format!("request {i} about something"), 200, false);
-            client()
-                .post(url)
-                .json(&body)
-                .send()
-                .await
+            let resp = client().post(url).json(&body).send().await.unwrap();
+            let served_by = resp.headers()["x-inferlb-backend"]
+                .to_str()
                 .unwrap()
-                .status()
-                .as_u16()
+                .to_owned();
+            (resp.status().as_u16(), served_by)
         }));
     }
-    // Kill backend 0 once it is busy with some of them.
+    // Kill backend 0 once it holds some of them (admitted to its engine; their answers are
+    // held back by the stall).
     let (_, busy) = sims[0]
-        .wait_for_stats(Duration::from_secs(10), |s| s.running >= 2)
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.running + s.finished as usize >= 2
+        })
         .await;
     assert!(busy, "backend 0 never got work");
     sims[0].faults().refuse_connections();
     sims[0].faults().wait_listening(false).await;
+    let held = sims[0].faults().snapshot().requests_seen;
     let mut statuses = Vec::new();
     for t in tasks {
         statuses.push(t.await.unwrap());
     }
     assert!(
-        statuses.iter().all(|s| *s == 200),
+        statuses.iter().all(|(s, _)| *s == 200),
         "client-visible errors: {statuses:?}"
     );
-    // The dead backend is excluded, then re-admitted when it comes back.
+    // Backend 0 answered none of them (the stall), yet it had taken `held` of them when it
+    // died: those failed over and were served by the others.
     let dead = sims[0].url();
+    assert!(held >= 2, "backend 0 held only {held} requests at the kill");
+    assert!(
+        statuses.iter().all(|(_, b)| *b != dead),
+        "backend 0 answered before the kill: failover not exercised: {statuses:?}"
+    );
+    // The dead backend is excluded, then re-admitted when it comes back.
     until_backends_json(&router, |v| !healthy(v, &dead)).await;
+    sims[0].faults().set_first_token_stall(Duration::ZERO);
     sims[0].faults().accept_connections();
     sims[0].faults().wait_listening(true).await;
     until_backends_json(&router, |v| healthy(v, &dead)).await;
@@ -157,7 +178,12 @@ async fn a_stream_cut_mid_way_ends_with_an_error_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_fleet_down_gives_fast_503_then_recovers() {
     let sims = fleet(2, 20.0).await;
-    let router = start_router(config(&sims)).await;
+    let mut cfg = config(&sims);
+    cfg.limits.queue_timeout_ms = 5_000;
+    cfg.forward.backoff_base_ms = 5_000;
+    cfg.forward.backoff_max_ms = 5_000;
+    cfg.forward.connect_timeout_ms = 5_000;
+    let router = start_router(cfg).await;
     for s in &sims {
         s.faults().refuse_connections();
         s.faults().wait_listening(false).await;
@@ -178,11 +204,28 @@ async fn whole_fleet_down_gives_fast_503_then_recovers() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 503);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "no_healthy_backend", "{v}");
+    // Fast: a 503 that waited for anything (a queue slot, a retry's back-off, a connect
+    // attempt) would take at least the 5 s configured for each below; the immediate answer
+    // takes milliseconds. 2.5 s is far from both.
     assert!(
-        started.elapsed() < Duration::from_secs(1),
+        started.elapsed() < Duration::from_millis(2500),
         "must fail fast: {:?}",
         started.elapsed()
     );
+    // No attempt was made on the dead backends for it.
+    let page = metrics_text(&router).await;
+    for s in &sims {
+        let url = s.url();
+        assert!(
+            !page.lines().any(
+                |l| l.starts_with("inferlb_upstream_attempt_failures_total{")
+                    && l.contains(&format!("backend=\"{url}\""))
+            ),
+            "{page}"
+        );
+    }
     assert_eq!(
         client()
             .get(router.url("/ready"))
@@ -234,5 +277,43 @@ async fn client_disconnect_aborts_and_frees_kv_cache() {
         .await;
     assert!(ok, "the backend must abort and free its blocks: {after:?}");
     assert_eq!(after.kv_usage, 0.0);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_a_non_streaming_request_aborts_it_and_releases_inflight() {
+    use tokio::io::AsyncWriteExt;
+    // 2000 tokens at 5× take ~2.4 s: the request is still generating when the client leaves.
+    let sims = fleet(1, 5.0).await;
+    let router: TestRouter = start_router(config(&sims)).await;
+    let url = sims[0].url();
+    until_backends_json(&router, |v| healthy(v, &url)).await;
+    let body = chat_body(&"a prompt that fills some blocks ".repeat(20), 2000, false).to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let (held, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.running == 1 && s.used_blocks > 0
+        })
+        .await;
+    assert!(ok, "the request should be running: {held:?}");
+    until_backends_json(&router, |v| v["backends"][0]["inflight"] == 1).await;
+    // The client goes away before any byte of the answer.
+    drop(socket);
+    let (after, ok) = sims[0]
+        .wait_for_stats(Duration::from_secs(10), |s| {
+            s.aborted == 1 && s.used_blocks == 0 && s.running == 0
+        })
+        .await;
+    assert!(
+        ok,
+        "the backend must abort the request and free its blocks: {after:?}"
+    );
+    assert_eq!(after.finished, 0, "it was aborted, not finished: {after:?}");
+    until_backends_json(&router, |v| v["backends"][0]["inflight"] == 0).await;
     router.shutdown().await;
 }

@@ -388,24 +388,3 @@ async fn graceful_shutdown_finishes_streams_and_refuses_new_connections() {
         .unwrap();
     assert!(result.is_ok());
 }
-
-#[tokio::test]
-async fn dot_segments_are_refused() {
-    let b = FakeBackend::start("a", &["m"]).await;
-    let router = start_router(config(&[&b])).await;
-    for path in [
-        "/v1/../metrics",
-        "/v1/%2e%2e/metrics",
-        "/v1/a/./b",
-        "/v1/x%2Fy",
-    ] {
-        let resp = client()
-            .post(format!("http://{}{}", router.addr, path))
-            .json(&serde_json::json!({"model": "m"}))
-            .send()
-            .await
-            .unwrap();
-        assert!(resp.status().is_client_error(), "{path}: {}", resp.status());
-    }
-    router.shutdown().await;
-}

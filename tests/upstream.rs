@@ -29,20 +29,29 @@ fn series_sum(metrics: &str, name: &str, backend: &str) -> f64 {
 #[tokio::test]
 async fn a_stream_that_keeps_talking_outlives_the_idle_timeout() {
     let b = FakeBackend::start("a", &["m"]).await;
-    // 12 chunks 100 ms apart: 1.2 s of stream against a 250 ms idle limit.
-    b.state.drip_chunks.store(12, Ordering::Relaxed);
+    // 25 chunks 100 ms apart: 2.5 s of stream against a 1 s idle limit. A gap would have to
+    // stretch to 10× its length on a loaded machine to trip the limit, while the whole stream
+    // outlives the limit more than twice (checked below), so a timer that is not re-armed
+    // while frames flow cuts it.
+    b.state.drip_chunks.store(25, Ordering::Relaxed);
     b.state.drip_ms.store(100, Ordering::Relaxed);
     let mut cfg = config(&[&b]);
-    cfg.forward.stream_idle_timeout_ms = 250;
+    cfg.forward.stream_idle_timeout_ms = 1000;
     let router = start_router(cfg).await;
+    let started = std::time::Instant::now();
     let resp = open_stream(&router).await;
     assert_eq!(resp.status(), 200);
-    let text = tokio::time::timeout(Duration::from_secs(20), resp.text())
+    let text = tokio::time::timeout(Duration::from_secs(30), resp.text())
         .await
         .unwrap()
         .unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "the stream must outlive the idle limit twice: {:?}",
+        started.elapsed()
+    );
     assert!(!text.contains("error"), "{text}");
-    assert!(text.contains("{\"drip\":11}"), "{text}");
+    assert!(text.contains("{\"drip\":24}"), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     router.shutdown().await;
 }

@@ -180,7 +180,7 @@ async fn forward(
         .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
     if has_dot_segment(parts.uri.path()) {
         return Err(Error::InvalidRequest(
-            "the path must not contain `.` or `..` segments".into(),
+            "the path must not contain `.` or `..` segments, encoded slashes or backslashes".into(),
         ));
     }
     // Only a model some backend lists may become a label; anything else is `other`.
@@ -339,4 +339,49 @@ async fn not_found(req: Request) -> Response {
 
 async fn method_not_allowed(method: Method) -> Response {
     Error::MethodNotAllowed(method.to_string()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_dot_segment;
+
+    #[test]
+    fn dot_segments_encoded_slashes_and_backslashes() {
+        let refused = [
+            "/v1/..",
+            "/v1/../metrics",
+            "/v1/./chat",
+            "/v1/a/./b",
+            "/../v1",
+            "/v1/%2e%2e/metrics",
+            "/v1/%2E%2E/metrics",
+            "/v1/%2e./metrics",
+            "/v1/.%2E/metrics",
+            "/v1/%2e/x",
+            "/v1/x%2fy",
+            "/v1/x%2Fy",
+            "/v1/x%5cy",
+            "/v1/x%5Cy",
+            "/v1/x\\y",
+            "/v1\\..\\metrics",
+        ];
+        for path in refused {
+            assert!(has_dot_segment(path), "{path} must be refused");
+        }
+        let allowed = [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models/my.model",
+            "/v1/...",
+            "/v1/.hidden",
+            "/v1/a..b",
+            "/v1/%2e%2e%2e",
+            "/v1/x%252e%252e",
+            "/v1/",
+            "/",
+        ];
+        for path in allowed {
+            assert!(!has_dot_segment(path), "{path} must pass");
+        }
+    }
 }

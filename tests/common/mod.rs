@@ -64,6 +64,10 @@ pub struct FakeState {
     /// TLS fakes: the SNI name of the last handshake, and how many handshakes failed.
     pub sni: Mutex<Option<String>>,
     pub tls_failures: std::sync::atomic::AtomicU64,
+    /// Requests that matched none of the routes above (any method, any path), and the last
+    /// such path: a router that lets a client steer it elsewhere shows up here.
+    pub stray: std::sync::atomic::AtomicU64,
+    pub last_stray: Mutex<Option<String>>,
 }
 
 pub struct FakeBackend {
@@ -93,17 +97,23 @@ fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
         drip_ms: 0.into(),
         sni: Mutex::new(None),
         tls_failures: 0.into(),
+        stray: 0.into(),
+        last_stray: Mutex::new(None),
     })
 }
 
 fn fake_app(state: &Arc<FakeState>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        // The poller asks for vLLM's filtered page first; this backend, like an older vLLM,
+        // has none (the poller falls back to `/metrics`).
+        .route("/metrics/", get(StatusCode::NOT_FOUND))
         .route("/v1/models", get(list_models))
         .route("/v1/chat/completions", post(complete))
         .route("/v1/completions", post(complete))
         .route("/v1/embeddings", post(complete))
         .route("/v1/audio/transcriptions", post(complete))
+        .fallback(stray)
         .with_state(Arc::clone(state))
 }
 
@@ -237,6 +247,12 @@ async fn metrics(State(s): State<Arc<FakeState>>) -> Response {
         m.waiting, m.running, m.kv
     )
     .into_response()
+}
+
+async fn stray(State(s): State<Arc<FakeState>>, uri: axum::http::Uri) -> Response {
+    s.stray.fetch_add(1, Ordering::SeqCst);
+    *s.last_stray.lock().unwrap() = Some(uri.to_string());
+    StatusCode::NOT_FOUND.into_response()
 }
 
 async fn list_models(State(s): State<Arc<FakeState>>) -> Response {

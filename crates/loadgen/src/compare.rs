@@ -73,9 +73,10 @@ pub struct CompareOutput {
     pub block_size: usize,
     pub time_scale: f64,
     pub arrival: Arrival,
+    /// The bound: one unlimited cache keeping every prompt and answer (repeats hit entirely).
     pub max_hit_rate: Option<f64>,
-    /// The same bound for a cache that also keeps whole prompts (repeats hit entirely).
-    pub max_hit_rate_unlimited: Option<f64>,
+    /// Shared prefixes alone, each missing once (not a bound when whole prompts repeat).
+    pub prefix_only_hit_rate: Option<f64>,
     pub rows: Vec<Row>,
 }
 
@@ -102,7 +103,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
     let ts = cfg.time_scale;
     let mut rows = Vec::new();
     let mut max_hit_rate = None;
-    let mut max_hit_rate_unlimited = None;
+    let mut prefix_only_hit_rate = None;
     for policy in &cfg.policies {
         eprintln!("[compare {}] policy {} …", cfg.name, policy.name());
         let fleet = vllm_sim::spawn_fleet(cfg.backends, sim.clone()).await?;
@@ -149,7 +150,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     Ok(out) => {
                         if let Some(b) = &out.summary.max_hit {
                             max_hit_rate = Some(b.rate());
-                            max_hit_rate_unlimited = Some(b.unlimited_rate());
+                            prefix_only_hit_rate = Some(b.prefix_only_rate());
                         }
                         Row {
                             policy: policy.name().into(),
@@ -183,12 +184,12 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
         time_scale: ts,
         arrival: cfg.arrival.clone(),
         max_hit_rate,
-        max_hit_rate_unlimited,
+        prefix_only_hit_rate,
         rows,
     })
 }
 
-const HEADERS: [&str; 13] = [
+const HEADERS: [&str; 14] = [
     "policy",
     "out tok/s",
     "TTFT p50",
@@ -197,6 +198,7 @@ const HEADERS: [&str; 13] = [
     "TTFT mean",
     "E2E p90",
     "hit rate",
+    "hit/req",
     "hit/max",
     "preempt",
     "mean wait",
@@ -221,6 +223,9 @@ fn cells(row: &Row) -> Vec<String> {
         secs(s.ttft.mean),
         secs(s.e2e.p90),
         fleet.map_or("-".into(), |f| format!("{:.3}", f.hit_rate)),
+        fleet
+            .and_then(|f| f.hit_rate_per_request)
+            .map_or("-".into(), |r| format!("{r:.3}")),
         s.hit_rate_vs_max.map_or("-".into(), |r| format!("{r:.2}")),
         fleet.map_or("-".into(), |f| format!("{:.0}", f.preemptions)),
         fleet.map_or("-".into(), |f| format!("{:.2}", f.mean_waiting)),
@@ -284,14 +289,16 @@ impl CompareOutput {
         let _ = writeln!(
             s,
             "{} backends × {} KV blocks of {} tokens; times in simulated seconds (time scale {}); \
-             max achievable hit rate {} (shared prefixes each missing once; hit/max divides by \
-             it), {} if whole prompts stayed cached too.",
+             hit rate = vLLM's prefix-cache counter; hit/req = cached ÷ prompt tokens, each \
+             request counted once (preemption cannot raise it); max achievable hit rate {} \
+             (one unlimited cache keeping every prompt and answer; hit/max = hit/req ÷ it), \
+             {} from shared prefixes alone.",
             self.backends,
             self.num_gpu_blocks,
             self.block_size,
             self.time_scale,
             self.max_hit_rate.map_or("-".into(), |r| format!("{r:.3}")),
-            self.max_hit_rate_unlimited
+            self.prefix_only_hit_rate
                 .map_or("-".into(), |r| format!("{r:.3}"))
         );
         for r in &self.rows {

@@ -236,6 +236,9 @@ struct CompareArgs {
     /// Seconds a router may take to become ready.
     #[arg(long, default_value_t = 30)]
     ready_timeout_secs: u64,
+    /// A line for the results header (repeatable), e.g. the versions of external routers.
+    #[arg(long = "note", value_name = "TEXT")]
+    notes: Vec<String>,
 }
 
 fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
@@ -330,12 +333,23 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         time_scale: a.time_scale,
         block_size: a.block_size,
     };
+    let provenance = machine::provenance(
+        &std::env::current_exe().into_iter().collect::<Vec<_>>(),
+        &[],
+    );
     let out = runner::run(cfg, workload)
         .await
         .map_err(|e| e.to_string())?;
     print!("{}", out.summary.render());
     if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&out.summary).map_err(|e| e.to_string())?;
+        let mut json = serde_json::to_value(&out.summary).map_err(|e| e.to_string())?;
+        if let Some(o) = json.as_object_mut() {
+            o.insert(
+                "provenance".into(),
+                serde_json::to_value(&provenance).map_err(|e| e.to_string())?,
+            );
+        }
+        let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     Ok(())
@@ -421,6 +435,16 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
             a.inferlb_bin.display()
         ));
     }
+    // Read before the run: the binaries measured and the sources they should come from.
+    let mut binaries: Vec<PathBuf> = std::env::current_exe().into_iter().collect();
+    if cfg
+        .policies
+        .iter()
+        .any(|p| matches!(p, Policy::Inferlb { .. }))
+    {
+        binaries.push(a.inferlb_bin.clone());
+    }
+    let provenance = machine::provenance(&binaries, &a.notes);
     let out = compare::compare(cfg).await.map_err(|e| e.to_string())?;
     let table = out.table();
     println!("{table}");
@@ -431,14 +455,22 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         if a.smoke { "-smoke" } else { "" }
     );
     let md = format!(
-        "# loadgen compare: {}\n\n{}\n{}",
+        "# loadgen compare: {}\n\n{}{}\n{}",
         out.name,
         machine::header(),
+        provenance.markdown(),
         out.markdown()
     );
     let md_path = a.results_dir.join(format!("{stem}.md"));
     let json_path = a.results_dir.join(format!("{stem}.json"));
-    let json = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+    let mut json = serde_json::to_value(&out).map_err(|e| e.to_string())?;
+    if let Some(o) = json.as_object_mut() {
+        o.insert(
+            "provenance".into(),
+            serde_json::to_value(&provenance).map_err(|e| e.to_string())?,
+        );
+    }
+    let json = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
     std::fs::write(&md_path, md).map_err(|e| format!("{}: {e}", md_path.display()))?;
     std::fs::write(&json_path, json).map_err(|e| format!("{}: {e}", json_path.display()))?;
     eprintln!("wrote {} and {}", md_path.display(), json_path.display());

@@ -130,7 +130,8 @@ pub struct Summary {
     pub backend_share_header: BTreeMap<String, f64>,
     pub fleet: Option<FleetReport>,
     pub max_hit: Option<HitBound>,
-    /// Fleet hit rate ÷ the workload's maximum achievable hit rate.
+    /// Fleet hit rate counted once per request (vLLM's own counter when the backends lack
+    /// the per-request series) ÷ the workload's maximum achievable hit rate: at most 1.
     pub hit_rate_vs_max: Option<f64>,
 }
 
@@ -151,7 +152,9 @@ impl Summary {
             .map(|(k, v)| (k.clone(), *v as f64 / total.max(1) as f64))
             .collect();
         let hit_rate_vs_max = match (&fleet, &max_hit) {
-            (Some(f), Some(b)) if b.rate() > 0.0 => Some(f.hit_rate / b.rate()),
+            (Some(f), Some(b)) if b.rate() > 0.0 => {
+                Some(f.hit_rate_per_request.unwrap_or(f.hit_rate) / b.rate())
+            }
             _ => None,
         };
         Summary {
@@ -239,16 +242,19 @@ impl Summary {
         if let Some(f) = &self.fleet {
             let _ = write!(
                 s,
-                "fleet ({} backends): hit rate {:.3}",
+                "fleet ({} backends): hit rate {:.3} (vLLM's counter)",
                 f.backends, f.hit_rate
             );
+            if let Some(r) = f.hit_rate_per_request {
+                let _ = write!(s, ", {r:.3} once per request");
+            }
             if let (Some(b), Some(r)) = (&self.max_hit, self.hit_rate_vs_max) {
                 let _ = write!(
                     s,
-                    " (max achievable {:.3}, ratio {:.2}; unlimited cache {:.3})",
+                    " (max achievable {:.3}, ratio {:.2}; shared prefixes alone {:.3})",
                     b.rate(),
                     r,
-                    b.unlimited_rate()
+                    b.prefix_only_rate()
                 );
             }
             let _ = writeln!(

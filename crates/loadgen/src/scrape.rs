@@ -1,4 +1,11 @@
 //! Backend `/metrics` scraping: prefix-cache counters, preemptions, and the sampled queue.
+//!
+//! Two hit rates are read. vLLM's own, Δ`prefix_cache_hits` ÷ Δ`prefix_cache_queries`, counts
+//! a request once in vLLM 0.32 (re-admissions after preemption go to counters it does not
+//! export), but counted every re-admission in older versions, where preemption inflates it.
+//! The per-request one, Δ`prompt_tokens_cached` ÷ Δ`prompt_tokens`, counts each request's
+//! prompt once, with the tokens cached at its first admission, in every version that has the
+//! series: preemption cannot inflate it. `hit/max` uses the per-request rate when present.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,6 +19,8 @@ const QUERIES: &str = "vllm:prefix_cache_queries_total";
 const PREEMPTIONS: &str = "vllm:num_preemptions_total";
 const SUCCESS: &str = "vllm:request_success_total";
 const WAITING: &str = "vllm:num_requests_waiting";
+const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+const PROMPT_TOKENS_CACHED: &str = "vllm:prompt_tokens_cached_total";
 
 /// Sum of every sample of metric `name` (all label sets) in a Prometheus text page; `None`
 /// when the page has no such series.
@@ -50,6 +59,10 @@ pub struct Counters {
     pub queries: f64,
     pub preemptions: f64,
     pub success: f64,
+    /// Prompt tokens, once per request, and those cached at its first admission (`None`:
+    /// the backend has no such series).
+    pub prompt_tokens: Option<f64>,
+    pub prompt_tokens_cached: Option<f64>,
 }
 
 impl Counters {
@@ -59,6 +72,8 @@ impl Counters {
             queries: sum_metric(page, QUERIES).unwrap_or(0.0),
             preemptions: sum_metric(page, PREEMPTIONS).unwrap_or(0.0),
             success: sum_metric(page, SUCCESS).unwrap_or(0.0),
+            prompt_tokens: sum_metric(page, PROMPT_TOKENS),
+            prompt_tokens_cached: sum_metric(page, PROMPT_TOKENS_CACHED),
         }
     }
 }
@@ -69,8 +84,14 @@ pub struct FleetReport {
     pub backends: usize,
     pub prefix_cache_hits: f64,
     pub prefix_cache_queries: f64,
-    /// Δhits / Δqueries over the run (0 when nothing was queried).
+    /// Δhits / Δqueries over the run (0 when nothing was queried): vLLM's own counter.
     pub hit_rate: f64,
+    /// Δ`vllm:prompt_tokens_total` and Δ`vllm:prompt_tokens_cached_total` over the run.
+    pub prompt_tokens: f64,
+    pub prompt_tokens_cached: f64,
+    /// Δcached ÷ Δprompt tokens: hits counted once per request, whatever the preemptions;
+    /// `None` when a backend lacks the series (then only `hit_rate` is known).
+    pub hit_rate_per_request: Option<f64>,
     pub preemptions: f64,
     /// `vllm:num_requests_waiting` averaged over the samples and the backends.
     pub mean_waiting: f64,
@@ -165,6 +186,7 @@ impl FleetScraper {
             ..FleetReport::default()
         };
         let mut successes = Vec::new();
+        let mut per_request_known = !self.urls.is_empty();
         for ((url, before), page) in self.urls.iter().zip(&self.before).zip(&pages) {
             let (Some(before), Some(page)) = (before, page) else {
                 report.scrape_failures += 1;
@@ -177,9 +199,22 @@ impl FleetScraper {
             report.prefix_cache_queries += d(after.queries, before.queries);
             report.preemptions += d(after.preemptions, before.preemptions);
             successes.push((url.clone(), d(after.success, before.success)));
+            match (
+                before.prompt_tokens.zip(before.prompt_tokens_cached),
+                after.prompt_tokens.zip(after.prompt_tokens_cached),
+            ) {
+                (Some((p0, c0)), Some((p1, c1))) => {
+                    report.prompt_tokens += d(p1, p0);
+                    report.prompt_tokens_cached += d(c1, c0);
+                }
+                _ => per_request_known = false,
+            }
         }
         if report.prefix_cache_queries > 0.0 {
             report.hit_rate = report.prefix_cache_hits / report.prefix_cache_queries;
+        }
+        if per_request_known && report.scrape_failures == 0 && report.prompt_tokens > 0.0 {
+            report.hit_rate_per_request = Some(report.prompt_tokens_cached / report.prompt_tokens);
         }
         let total: f64 = successes.iter().map(|(_, s)| s).sum();
         for (url, s) in successes {
@@ -207,5 +242,6 @@ mod tests {
         let c = Counters::from_page(page);
         assert_eq!(c.hits, 15.0);
         assert_eq!(c.queries, 0.0);
+        assert_eq!(c.prompt_tokens, None, "absent, not zero");
     }
 }

@@ -21,8 +21,15 @@
 //! cache, and a sequence whose tokens are all computed samples its next token (deterministic
 //! filler). A sequence that reaches its `max_tokens` finishes and its blocks are freed.
 //!
-//! Prefix-cache accounting matches vLLM's counters: at each admission, `queries += tokens of
-//! the sequence` and `hits += cached tokens reused`.
+//! Prefix-cache accounting matches vLLM's counters: at a request's first admission,
+//! `queries += tokens of the sequence` and `hits += cached tokens reused`. A re-admission after
+//! preemption looks the cache up again (and mostly hits its own blocks) but is not counted:
+//! vLLM 0.32 records it in `PrefixCacheStats.preempted_*`, which no Prometheus series exports
+//! (`vllm/v1/core/kv_cache_manager.py` `record_prefix_cache_stats`, `preempted=
+//! request.num_preemptions > 0`; `vllm/v1/metrics/stats.py` `PrefixCacheStats.record`;
+//! `vllm/v1/metrics/loggers.py` increments `vllm:prefix_cache_{queries,hits}` from `queries`
+//! and `hits` only). The tokens cached at the first admission are the request's
+//! `cached_tokens`, as vLLM sets `num_cached_tokens` once.
 
 use std::collections::VecDeque;
 
@@ -163,8 +170,12 @@ pub struct ScheduleOutcome {
     pub tokens: usize,
     pub preempted: u32,
     pub admitted: u32,
+    /// Counted at first admission only (vLLM's `vllm:prefix_cache_*`).
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Re-admissions after preemption (vLLM's `preempted_*`, not exported).
+    pub preempted_prefix_queries: u64,
+    pub preempted_prefix_hits: u64,
 }
 
 /// A sequence that left the engine at the end of a step.
@@ -296,12 +307,17 @@ impl Scheduler {
             debug_assert!(ok, "can_allocate said yes");
             seq.num_computed = cached;
             seq.scheduled = n;
-            seq.cached_at_admission = cached;
             seq.times.scheduled.get_or_insert(now);
             *budget -= n;
             out.admitted += 1;
-            out.prefix_queries += seq.tokens.len() as u64;
-            out.prefix_hits += cached as u64;
+            if seq.preemptions == 0 {
+                seq.cached_at_admission = cached;
+                out.prefix_queries += seq.tokens.len() as u64;
+                out.prefix_hits += cached as u64;
+            } else {
+                out.preempted_prefix_queries += seq.tokens.len() as u64;
+                out.preempted_prefix_hits += cached as u64;
+            }
             if let Some(l) = seq.lora {
                 if !loras.contains(&l) {
                     loras.push(l);

@@ -247,3 +247,35 @@ fn max_loras_skips_other_adapters_without_blocking_the_queue() {
     r.drain();
     assert_eq!(r.s.pool.num_used(), 0);
 }
+
+#[test]
+fn re_admission_after_preemption_is_not_counted_as_a_prefix_query() {
+    // 6 blocks of 4 tokens, three requests that outgrow them: some are preempted and come
+    // back, finding their own full blocks still cached. Like vLLM 0.32, only first admissions
+    // count in queries/hits: the queries are exactly the three prompts, once each.
+    let mut r = Rig::new(4, 6, 8, 4096);
+    for salt in 0..3 {
+        r.add(prompt(6, salt), 14);
+    }
+    let (mut queries, mut hits, mut preempted) = (0, 0, 0);
+    let (mut re_queries, mut re_hits) = (0, 0);
+    for _ in 0..1000 {
+        if r.s.is_idle() {
+            break;
+        }
+        let (out, _) = r.step();
+        queries += out.prefix_queries;
+        hits += out.prefix_hits;
+        preempted += out.preempted;
+        re_queries += out.preempted_prefix_queries;
+        re_hits += out.preempted_prefix_hits;
+    }
+    assert!(r.s.is_idle());
+    assert!(preempted > 0, "the workload must preempt");
+    assert_eq!(queries, 3 * 6, "each prompt queried once");
+    assert_eq!(hits, 0, "three different prompts share nothing");
+    assert!(
+        re_queries > 0 && re_hits > 0,
+        "re-admissions find their own blocks"
+    );
+}

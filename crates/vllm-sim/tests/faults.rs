@@ -63,7 +63,7 @@ async fn fail_rate_flag_and_runtime_switch() {
 #[tokio::test]
 async fn metrics_delay_flag() {
     let sim = vllm_sim::spawn(SimConfig {
-        metrics_delay_ms: 300,
+        metrics_delay_ms: 2000,
         ..fast()
     })
     .await
@@ -76,7 +76,7 @@ async fn metrics_delay_flag() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert!(
-        t0.elapsed() >= Duration::from_millis(300),
+        t0.elapsed() >= Duration::from_millis(2000),
         "{:?}",
         t0.elapsed()
     );
@@ -87,7 +87,13 @@ async fn metrics_delay_flag() {
         .send()
         .await
         .unwrap();
-    assert!(t0.elapsed() < Duration::from_millis(300));
+    // A delay left in place costs 2 s; a scrape without one takes milliseconds. 1 s is far
+    // from both, so a loaded machine does not flip the answer.
+    assert!(
+        t0.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        t0.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -98,16 +104,20 @@ async fn metrics_hang_flag_times_out_and_other_routes_still_answer() {
     })
     .await
     .unwrap();
-    let c = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
+    // Only the hung scrape runs against a short client timeout: it must not answer within
+    // it (a hang never does). Everything that must answer gets the usual 20 s client, so a
+    // slow debug build cannot turn an answer into a timeout.
+    let short = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
         .build()
         .unwrap();
-    let err = c
+    let err = short
         .get(format!("{}/metrics", sim.url()))
         .send()
         .await
         .unwrap_err();
     assert!(err.is_timeout(), "{err}");
+    let c = client();
     assert_eq!(
         c.get(format!("{}/health", sim.url()))
             .send()
@@ -116,7 +126,7 @@ async fn metrics_hang_flag_times_out_and_other_routes_still_answer() {
             .status(),
         200
     );
-    let r = client()
+    let r = c
         .post(format!("{}/sim/faults", sim.url()))
         .json(&json!({"metrics_hang": false}))
         .send()
@@ -160,7 +170,7 @@ async fn metrics_garbage_flag() {
 #[tokio::test]
 async fn first_token_stall_flag() {
     let sim = vllm_sim::spawn(SimConfig {
-        first_token_stall_ms: 400,
+        first_token_stall_ms: 1500,
         ..fast()
     })
     .await
@@ -177,7 +187,7 @@ async fn first_token_stall_flag() {
             let mut s = r.bytes_stream();
             assert!(!first_events(&mut s, 1).await.is_empty());
             assert!(
-                t0.elapsed() >= Duration::from_millis(400),
+                t0.elapsed() >= Duration::from_millis(1500),
                 "stream: {:?}",
                 t0.elapsed()
             );
@@ -186,7 +196,7 @@ async fn first_token_stall_flag() {
             assert_eq!(r.status(), 200);
             r.bytes().await.unwrap();
             assert!(
-                t0.elapsed() >= Duration::from_millis(400),
+                t0.elapsed() >= Duration::from_millis(1500),
                 "whole: {:?}",
                 t0.elapsed()
             );
@@ -195,7 +205,12 @@ async fn first_token_stall_flag() {
     sim.faults().set_first_token_stall(Duration::ZERO);
     let t0 = Instant::now();
     complete(&sim.url()).await;
-    assert!(t0.elapsed() < Duration::from_millis(400));
+    // A stall left in place costs 1.5 s; a 2-token answer at 20× takes milliseconds.
+    assert!(
+        t0.elapsed() < Duration::from_millis(750),
+        "{:?}",
+        t0.elapsed()
+    );
 }
 
 #[tokio::test]
