@@ -342,6 +342,56 @@ pub struct DiscoveryConfig {
     pub backend_defaults: BackendDefaults,
 }
 
+impl DiscoveryConfig {
+    /// Apply a `--discovery` shorthand: `file:PATH`, `dns:NAME:PORT`,
+    /// `k8s:NAMESPACE/LABEL_SELECTOR:PORT` (port by number or name) or `k8s-pool:NAMESPACE/NAME`.
+    pub fn apply_shorthand(&mut self, spec: &str) -> Result<(), ConfigError> {
+        let bad = |why: &str| {
+            ConfigError::invalid(
+                "--discovery",
+                format!(
+                    "`{spec}`: {why} (use file:PATH, dns:NAME:PORT, k8s:NAMESPACE/SELECTOR:PORT or k8s-pool:NAMESPACE/NAME)"
+                ),
+            )
+        };
+        let (kind, rest) = spec.split_once(':').ok_or_else(|| bad("no source"))?;
+        match kind {
+            "file" if !rest.is_empty() => {
+                self.source = DiscoverySource::File;
+                self.file.path = Some(rest.into());
+            }
+            "dns" => {
+                let (name, port) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+                self.source = DiscoverySource::Dns;
+                self.dns.name = Some(name.to_owned());
+                self.dns.port = port.parse().map_err(|_| bad("invalid port"))?;
+            }
+            "k8s" => {
+                let (namespace, rest) = rest.split_once('/').ok_or_else(|| bad("no namespace"))?;
+                let (selector, port) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+                self.source = DiscoverySource::Kubernetes;
+                self.kubernetes.namespace = namespace.to_owned();
+                self.kubernetes.label_selector = Some(selector.to_owned());
+                self.kubernetes.inference_pool = None;
+                self.kubernetes.port = match port.parse() {
+                    Ok(n) => PortRef::Number(n),
+                    Err(_) if !port.is_empty() => PortRef::Name(port.to_owned()),
+                    Err(_) => return Err(bad("no port")),
+                };
+            }
+            "k8s-pool" => {
+                let (namespace, name) = rest.split_once('/').ok_or_else(|| bad("no namespace"))?;
+                self.source = DiscoverySource::Kubernetes;
+                self.kubernetes.namespace = namespace.to_owned();
+                self.kubernetes.inference_pool = Some(name.to_owned());
+                self.kubernetes.label_selector = None;
+            }
+            _ => return Err(bad("unknown source")),
+        }
+        Ok(())
+    }
+}
+
 /// Settings every discovered backend gets.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -549,7 +599,10 @@ impl Config {
 
     /// Checks that need the whole picture; plugin parameters are checked by their factories.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.backends.is_empty() {
+        if self.discovery.source != DiscoverySource::Static {
+            // Builds the source without starting it: checks its settings.
+            crate::discovery::from_config(self)?;
+        } else if self.backends.is_empty() {
             return Err(ConfigError::invalid(
                 "backends",
                 "no backends configured: add [[backends]] url = \"http://host:port\" or pass --backend",
@@ -793,6 +846,48 @@ mod tests {
             c.engine("tgi").unwrap().waiting,
             vec!["tgi_queue_size".to_owned()]
         );
+    }
+
+    #[test]
+    fn discovery_shorthands() {
+        let mut d = DiscoveryConfig::default();
+        d.apply_shorthand("file:/etc/inferlb/backends.json")
+            .unwrap();
+        assert_eq!(d.source, DiscoverySource::File);
+        assert_eq!(
+            d.file.path.as_deref(),
+            Some(std::path::Path::new("/etc/inferlb/backends.json"))
+        );
+        d.apply_shorthand("dns:vllm.prod.svc:8000").unwrap();
+        assert_eq!(
+            (d.source, d.dns.name.as_deref(), d.dns.port),
+            (DiscoverySource::Dns, Some("vllm.prod.svc"), 8000)
+        );
+        d.apply_shorthand("k8s:prod/app=vllm,tier=gpu:http")
+            .unwrap();
+        assert_eq!(d.source, DiscoverySource::Kubernetes);
+        assert_eq!(d.kubernetes.namespace, "prod");
+        assert_eq!(
+            d.kubernetes.label_selector.as_deref(),
+            Some("app=vllm,tier=gpu")
+        );
+        assert_eq!(d.kubernetes.port, PortRef::Name("http".into()));
+        d.apply_shorthand("k8s:prod/app=vllm:8000").unwrap();
+        assert_eq!(d.kubernetes.port, PortRef::Number(8000));
+        d.apply_shorthand("k8s-pool:prod/my-pool").unwrap();
+        assert_eq!(d.kubernetes.inference_pool.as_deref(), Some("my-pool"));
+        assert_eq!(d.kubernetes.label_selector, None);
+        for bad in [
+            "file:",
+            "dns:host",
+            "dns:host:x",
+            "k8s:noslash:1",
+            "k8s:ns/sel:",
+            "nope:x",
+            "x",
+        ] {
+            assert!(d.apply_shorthand(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -103,6 +103,22 @@ pub async fn run(
     let backend_header = http::HeaderName::from_bytes(config.backend_header.as_bytes())
         .map_err(|_| ConfigError::invalid("backend_header", "not a valid header name"))?;
     let scheduler = Arc::new(Scheduler::new(Arc::clone(&pool), profile));
+    let forwarder = Forwarder::new(
+        &config.forward,
+        &config.outlier_detection,
+        backend_header.clone(),
+        Arc::clone(&pool),
+    );
+    {
+        let (scheduler, forwarder) = (Arc::clone(&scheduler), forwarder.clone());
+        pool.on_removed(Arc::new(move |backend| {
+            scheduler.forget(backend);
+            forwarder.forget(backend);
+        }));
+    }
+    if let Some(source) = discovery::from_config(&config)? {
+        tokio::spawn(discovery::run(source, Arc::clone(&pool), stop_rx.clone()));
+    }
     let service = tower::ServiceBuilder::new()
         .layer(SchedulerLayer::new(
             scheduler,
@@ -110,12 +126,7 @@ pub async fn run(
             &config.limits,
             &config.outlier_detection,
         ))
-        .service(Forwarder::new(
-            &config.forward,
-            &config.outlier_detection,
-            backend_header.clone(),
-            Arc::clone(&pool),
-        ));
+        .service(forwarder);
     let state = Arc::new(AppState {
         config: Arc::clone(&config),
         pool,

@@ -25,6 +25,11 @@ struct Cli {
     /// Backend base URL, repeatable; replaces the file's [[backends]] when given.
     #[arg(long = "backend", value_name = "URL")]
     backends: Vec<String>,
+    /// Discover backends instead of listing them: `file:PATH`, `dns:NAME:PORT`,
+    /// `k8s:NAMESPACE/LABEL_SELECTOR:PORT` or `k8s-pool:NAMESPACE/NAME` (overrides
+    /// `[discovery]`).
+    #[arg(long, value_name = "SOURCE")]
+    discovery: Option<String>,
     /// Log output format.
     #[arg(long, value_enum)]
     log_format: Option<LogFormat>,
@@ -50,7 +55,10 @@ struct Cli {
 }
 
 impl Cli {
-    fn apply(self, mut config: Config) -> Config {
+    fn apply(self, mut config: Config) -> Result<Config, inferlb::config::ConfigError> {
+        if let Some(spec) = &self.discovery {
+            config.discovery.apply_shorthand(spec)?;
+        }
         if let Some(v) = self.listen {
             config.listen = v;
         }
@@ -79,7 +87,7 @@ impl Cli {
         if let Some(v) = self.max_body_bytes {
             config.max_body_bytes = v;
         }
-        config
+        Ok(config)
     }
 }
 
@@ -167,7 +175,13 @@ async fn main() -> ExitCode {
     };
     let check = cli.check;
     let demo = cli.demo;
-    let mut config = cli.apply(config);
+    let mut config = match cli.apply(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("inferlb: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // Keep the simulators alive for as long as the router runs.
     let _fleet = match demo {
         None => None,

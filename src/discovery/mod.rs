@@ -97,3 +97,32 @@ pub async fn run(mut source: Box<dyn Discovery>, pool: Arc<Pool>, mut stop: watc
         }
     }
 }
+
+/// The source `config` asks for, or `None` for `static` (the pool already holds the
+/// `[[backends]]`, and only a reload changes them).
+pub fn from_config(
+    config: &crate::config::Config,
+) -> Result<Option<Box<dyn Discovery>>, crate::config::ConfigError> {
+    use crate::config::{ConfigError, DiscoverySource};
+    let d = &config.discovery;
+    Ok(match d.source {
+        DiscoverySource::Static => None,
+        DiscoverySource::File => Some(Box::new(file::FileDiscovery::new(
+            &d.file,
+            &d.backend_defaults,
+        )?)),
+        DiscoverySource::Dns => Some(Box::new(dns::DnsDiscovery::new(
+            &d.dns,
+            &d.backend_defaults,
+        )?)),
+        DiscoverySource::Kubernetes => {
+            return Err(ConfigError::invalid(
+                "discovery.source",
+                "kubernetes discovery is not available in this build",
+            ))
+        }
+    })
+}
+
+pub mod dns;
+pub mod file;

@@ -65,6 +65,12 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
+    /// `backend` left the pool: close its idle connections (keyed by its never-reused uid, so
+    /// a late check-in cannot reach a newcomer either).
+    pub fn forget(&self, backend: &Backend) {
+        self.pool.purge(backend.uid);
+    }
+
     pub fn new(
         cfg: &ForwardConfig,
         outlier: &OutlierConfig,
@@ -150,7 +156,7 @@ impl tower::Service<Dispatch> for Forwarder {
             let exchange = async {
                 let (mut conn, reused) = this
                     .pool
-                    .checkout(d.backend.id, &d.backend.connector)
+                    .checkout(d.backend.uid, &d.backend.connector)
                     .await?;
                 let response = pool::send_with_reconnect(
                     &mut conn,
@@ -230,7 +236,7 @@ impl tower::Service<Dispatch> for Forwarder {
             let lease = Lease {
                 conn,
                 pool: this.pool.clone(),
-                backend: backend.id,
+                backend: backend.uid,
             };
             let body = body::GuardedBody::new(
                 incoming,

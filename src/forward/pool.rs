@@ -415,6 +415,12 @@ impl ConnPool {
 
     /// Give back a connection whose response was read to the end. Connections idle past the
     /// timeout are closed here too, so sockets the backend gave up on do not linger.
+    /// Close every idle connection of `backend` (it left the pool).
+    pub fn purge(&self, backend: usize) {
+        let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        map.remove(&backend);
+    }
+
     pub fn checkin(&self, backend: usize, mut conn: Conn) {
         if !conn.reusable() {
             return;

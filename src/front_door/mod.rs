@@ -311,8 +311,18 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "probe_in_flight": probe_in_flight,
                 }),
             };
+            let joined = b
+                .origin
+                .joined_at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
             serde_json::json!({
                 "url": b.name,
+                "id": b.id,
+                "source": b.origin.source,
+                "labels": crate::endpoints::membership::labels_json(&b.origin.labels),
+                "joined_unix": joined,
+                "draining": b.is_draining(),
                 "healthy": s.healthy,
                 "outlier": passive,
                 "ejections": b.passive().total_ejections(),

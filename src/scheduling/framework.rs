@@ -120,6 +120,8 @@ pub trait Plugin: Send + Sync {
     /// Called when `request` is sent to `backend` (once per attempt actually made; a pick
     /// that is not sent, e.g. because the retry budget is spent, is not reported).
     fn after_pick(&self, _request: &RequestView, _state: &CycleState, _backend: &Backend) {}
+    /// `backend` left the pool: drop whatever the plugin keeps about it.
+    fn backend_removed(&self, _backend: &Backend) {}
 }
 
 /// Removes candidates that must not serve the request. A filter that would remove every

@@ -133,6 +133,13 @@ impl Scheduler {
         }
     }
 
+    /// `backend` left the pool: every plugin forgets it.
+    pub fn forget(&self, backend: &Backend) {
+        for plugin in self.profile.plugins() {
+            plugin.backend_removed(backend);
+        }
+    }
+
     /// No backend may serve the request: 404 when the model is listed by no backend while
     /// some backend lists models, else 503.
     fn explain(&self, request: &RequestView) -> Error {

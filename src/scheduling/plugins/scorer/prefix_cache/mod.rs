@@ -183,6 +183,10 @@ impl PrefixCacheScorer {
 impl Plugin for PrefixCacheScorer {
     identity!();
 
+    fn backend_removed(&self, backend: &Backend) {
+        self.index.purge(backend.id);
+    }
+
     fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
         // A request handed a slot while it waited may never have been scored.
         let computed;
