@@ -61,6 +61,9 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Response header naming the backend that served the request.
     pub backend_header: String,
+    /// A per-backend gauge not refreshed for this long leaves `/metrics` (the series of a
+    /// backend that left the pool); at least three poll intervals are used.
+    pub metrics_idle_timeout_ms: u64,
     pub server: ServerConfig,
     pub poller: PollerConfig,
     pub forward: ForwardConfig,
@@ -87,6 +90,7 @@ impl Default for Config {
             log_level: "info".into(),
             max_body_bytes: 32 * 1024 * 1024,
             backend_header: "x-inferlb-backend".into(),
+            metrics_idle_timeout_ms: 60_000,
             server: ServerConfig::default(),
             poller: PollerConfig::default(),
             forward: ForwardConfig::default(),
@@ -544,7 +548,7 @@ impl BackendConfig {
 }
 
 /// A plugin instance: `type` picks the factory, `name` is how profiles refer to it.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginSpec {
     #[serde(rename = "type")]

@@ -33,6 +33,7 @@ pub mod error;
 pub mod forward;
 pub mod front_door;
 pub mod prompt;
+pub mod reload;
 pub mod scheduling;
 pub mod telemetry;
 
@@ -73,10 +74,25 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
+    let (_keep, reloads) = tokio::sync::mpsc::channel(1);
+    run_reloadable(config, listeners, shutdown, reloads).await
+}
+
+/// [`run`], applying every configuration received on `reloads` (see [`reload`]).
+pub async fn run_reloadable(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    mut reloads: tokio::sync::mpsc::Receiver<Config>,
+) -> Result<(), RunError> {
     config.validate()?;
     let config = Arc::new(config);
     // Installed before the pool, whose backends keep metric handles.
-    let metrics = telemetry::prometheus();
+    // Member gauges are refreshed on every poll: never idle them out faster than 3 polls.
+    let idle = config
+        .metrics_idle_timeout_ms
+        .max(config.poller.interval_ms.saturating_mul(3));
+    let metrics = telemetry::prometheus(Duration::from_millis(idle));
     let pool = Arc::new(Pool::from_config(&config)?);
     let profile = scheduling::profile::build_active(&config)?;
     tracing::info!(profile = %profile.describe(), backends = pool.backends().len(), "scheduling profile");
@@ -119,22 +135,45 @@ pub async fn run(
     if let Some(source) = discovery::from_config(&config)? {
         tokio::spawn(discovery::run(source, Arc::clone(&pool), stop_rx.clone()));
     }
+    let layer = SchedulerLayer::new(
+        Arc::clone(&scheduler),
+        &config.forward,
+        &config.limits,
+        &config.outlier_detection,
+    );
     let service = tower::ServiceBuilder::new()
-        .layer(SchedulerLayer::new(
-            scheduler,
-            &config.forward,
-            &config.limits,
-            &config.outlier_detection,
-        ))
-        .service(forwarder);
+        .layer(layer.clone())
+        .service(forwarder.clone());
     let state = Arc::new(AppState {
-        config: Arc::clone(&config),
+        config: arc_swap::ArcSwap::new(Arc::clone(&config)),
         pool,
         service,
         metrics,
         backend_header,
-        auth: Arc::new(front_door::auth::Auth::from_config(&config.auth)?),
+        auth: Arc::new(arc_swap::ArcSwap::from_pointee(
+            front_door::auth::Auth::from_config(&config.auth)?,
+        )),
     });
+    let live = reload::Live {
+        state: Arc::clone(&state),
+        scheduler,
+        layer,
+        forwarder,
+    };
+    {
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    next = reloads.recv() => match next {
+                        Some(next) => live.apply(next),
+                        None => break,
+                    },
+                    _ = stop.changed() => break,
+                }
+            }
+        });
+    }
 
     let main_addr = listeners.main.local_addr()?;
     tracing::info!(%main_addr, "inferlb listening");

@@ -6,11 +6,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use inferlb::config::{BackendConfig, Config, LogFormat};
-use inferlb::{run, telemetry, Listeners};
+use inferlb::{run_reloadable, telemetry, Listeners};
 
 /// An LLM-aware load balancer for vLLM fleets: routes each OpenAI request to the backend that
 /// holds its prompt prefix in KV cache, weighed against queue and KV-cache load.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(version, about)]
 struct Cli {
     /// TOML config file (see the documented config.toml); every field has a default.
@@ -89,6 +89,67 @@ impl Cli {
         }
         Ok(config)
     }
+}
+
+/// Configurations to reload: re-read (with the same command-line overrides) on SIGHUP and,
+/// when `--config` names a file, whenever its modification time or size changes (checked
+/// every second). A file that cannot be read or parsed is reported and not sent. The demo's
+/// backends are not in any file, so the demo does not reload.
+fn watch_for_reloads(cli: Cli, demo: bool) -> tokio::sync::mpsc::Receiver<Config> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    if demo {
+        return rx;
+    }
+    tokio::spawn(async move {
+        let stamp = |path: &std::path::Path| {
+            std::fs::metadata(path)
+                .ok()
+                .map(|m| (m.modified().ok(), m.len()))
+        };
+        let mut seen = cli.config.as_deref().and_then(stamp);
+        #[cfg(unix)]
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            #[cfg(unix)]
+            let hangup = async {
+                match hup.as_mut() {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let hangup = std::future::pending::<Option<()>>();
+            let why = tokio::select! {
+                _ = hangup => "SIGHUP",
+                _ = tick.tick() => {
+                    let now = cli.config.as_deref().and_then(stamp);
+                    if now == seen {
+                        continue;
+                    }
+                    seen = now;
+                    "the config file changed"
+                }
+            };
+            tracing::info!("reloading the configuration ({why})");
+            let file = match &cli.config {
+                Some(path) => Config::from_file(path),
+                None => Ok(Config::default()),
+            };
+            match file.and_then(|c| cli.clone().apply(c)) {
+                Ok(config) => {
+                    if tx.send(config).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!(telemetry::CONFIG_RELOADS, "result" => "error").increment(1);
+                    tracing::error!(error = %e, "configuration reload refused; the previous configuration stays in effect");
+                }
+            }
+        }
+    });
+    rx
 }
 
 /// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once. The
@@ -175,6 +236,7 @@ async fn main() -> ExitCode {
     };
     let check = cli.check;
     let demo = cli.demo;
+    let overrides = cli.clone();
     let mut config = match cli.apply(config) {
         Ok(c) => c,
         Err(e) => {
@@ -231,7 +293,15 @@ async fn main() -> ExitCode {
         println!("  curl -s http://{addr}/admin/backends     # what the router sees");
         println!("  curl -s http://{addr}/metrics            # inferlb's own metrics\n");
     }
-    match run(config, Listeners { main, admin }, shutdown_signal()).await {
+    let reloads = watch_for_reloads(overrides, demo.is_some());
+    match run_reloadable(
+        config,
+        Listeners { main, admin },
+        shutdown_signal(),
+        reloads,
+    )
+    .await
+    {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("inferlb: {e}");

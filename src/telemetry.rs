@@ -6,7 +6,10 @@
 
 use std::sync::OnceLock;
 
+use std::time::Duration;
+
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 
 use crate::config::LogFormat;
 
@@ -33,6 +36,7 @@ pub const BACKEND_RUNNING: &str = "inferlb_backend_running_requests";
 pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
 pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_seconds";
 pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
+pub const CONFIG_RELOADS: &str = "inferlb_config_reloads_total";
 pub const DISCOVERY_ERRORS: &str = "inferlb_discovery_errors_total";
 pub const BACKENDS: &str = "inferlb_backends";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
@@ -60,6 +64,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_RUNNING, "Requests running on the backend at its last scrape."),
     (BACKEND_SCRAPE_ERRORS, "Failed or unusable /metrics scrapes, by backend and kind (connect, status, timeout, parse)."),
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
+    (CONFIG_RELOADS, "Configuration reloads (SIGHUP or a change of the --config file), by result (ok, error)."),
     (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
@@ -71,8 +76,11 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
-/// Install the global recorder once; later calls return the same handle.
-pub fn prometheus() -> Option<PrometheusHandle> {
+/// Install the global recorder once; later calls return the same handle. Gauges not set for
+/// `idle` disappear from `/metrics`: the poller refreshes every member backend's gauges on each
+/// pass, so only the series of backends that left the pool go (no ghosts on dashboards);
+/// counters and histograms keep their history.
+pub fn prometheus(idle: Duration) -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
             let latency = [
@@ -94,6 +102,7 @@ pub fn prometheus() -> Option<PrometheusHandle> {
             ];
             let ratio = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0];
             let builder = PrometheusBuilder::new()
+                .idle_timeout(MetricKindMask::GAUGE, Some(idle))
                 .set_buckets_for_metric(Matcher::Full(SCHEDULING_DURATION.into()), &micro)
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(PREFIX_MATCH_RATIO.into()), &ratio)

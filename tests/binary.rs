@@ -8,9 +8,8 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::binary::{spawn_with, Running, BIN};
 use common::FakeBackend;
-
-const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 
 #[test]
 fn help_explains_flags() {
@@ -122,93 +121,9 @@ async fn binary_serves_requests_with_cli_overrides() {
     assert!(status.success(), "{status:?}");
 }
 
-/// A running binary: the child, its address, and its JSON log lines as they are written.
-struct Running {
-    child: std::process::Child,
-    addr: String,
-    logs: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
-}
-
-impl Running {
-    /// Wait (at most 10 s) for the log line whose message is `message`; earlier lines are
-    /// skipped. The log is the process's own account of what it did, so this waits for the
-    /// event itself, not for a guess at how long it takes.
-    async fn log(&mut self, message: &str) -> serde_json::Value {
-        let wait = async {
-            while let Some(v) = self.logs.recv().await {
-                if v["fields"]["message"] == message {
-                    return Some(v);
-                }
-            }
-            None
-        };
-        tokio::time::timeout(Duration::from_secs(10), wait)
-            .await
-            .unwrap_or_else(|_| panic!("no `{message}` log line within 10 s"))
-            .unwrap_or_else(|| panic!("the process ended its log without `{message}`"))
-    }
-
-    fn signal(&self, name: &str) {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill")
-            .args([name, &pid])
-            .status()
-            .unwrap()
-            .success());
-    }
-
-    /// Wait (at most 10 s) for the process to exit.
-    async fn exit(self) -> std::process::ExitStatus {
-        let mut child = self.child;
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio::task::spawn_blocking(move || child.wait().unwrap()),
-        )
-        .await
-        .expect("the process did not exit within 10 s")
-        .unwrap()
-    }
-}
-
 /// Start the binary in front of `backend` with the shipped config.
 fn spawn_binary(backend: &FakeBackend) -> Running {
     spawn_with(&["--config", "config.toml", "--backend", &backend.url()])
-}
-
-/// Start the binary with `args` on a free port; returns once it announced its address.
-fn spawn_with(args: &[&str]) -> Running {
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, logs) = tokio::sync::mpsc::unbounded_channel();
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    // Keep draining stdout so the child never blocks on a full pipe; forward JSON log lines.
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            // The demo also prints plain lines for people; only JSON log lines matter here.
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-                continue;
-            };
-            if let Some(addr) = v["fields"]["main_addr"].as_str() {
-                let _ = addr_tx.send(addr.to_owned());
-            }
-            let _ = tx.send(v);
-        }
-    });
-    match addr_rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(addr) => Running { child, addr, logs },
-        Err(_) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the binary never announced its address");
-        }
-    }
 }
 
 /// A streaming request through the binary whose backend holds the stream after its first

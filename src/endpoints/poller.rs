@@ -137,6 +137,8 @@ pub struct Poller {
 struct Handles {
     scrape_duration: metrics::Histogram,
     healthy: metrics::Gauge,
+    inflight: metrics::Gauge,
+    ejected: metrics::Gauge,
     kv_usage: metrics::Gauge,
     waiting: metrics::Gauge,
     running: metrics::Gauge,
@@ -148,6 +150,8 @@ impl Handles {
         Handles {
             scrape_duration: metrics::histogram!(t::BACKEND_SCRAPE_DURATION, "backend" => b.clone()),
             healthy: metrics::gauge!(t::BACKEND_HEALTHY, "backend" => b.clone()),
+            inflight: metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => b.clone()),
+            ejected: metrics::gauge!(t::BACKEND_EJECTED, "backend" => b.clone()),
             kv_usage: metrics::gauge!(t::BACKEND_KV_USAGE, "backend" => b.clone()),
             waiting: metrics::gauge!(t::BACKEND_WAITING, "backend" => b.clone()),
             running: metrics::gauge!(t::BACKEND_RUNNING, "backend" => b),
@@ -326,6 +330,10 @@ impl Poller {
             }
         }
         handles.healthy.set(if next.healthy { 1.0 } else { 0.0 });
+        // Refreshed every pass so a member's series never idle out (see telemetry).
+        handles.inflight.set(backend.inflight() as f64);
+        let out = backend.passive().is_out();
+        handles.ejected.set(if out { 1.0 } else { 0.0 });
         if let Some((m, _)) = &next.metrics {
             if let Some(v) = m.kv_usage {
                 handles.kv_usage.set(v);

@@ -59,7 +59,8 @@ pub struct Forwarder {
     request_timeout: Option<Duration>,
     forward_client_authorization: bool,
     backend_header: HeaderName,
-    outlier: OutlierConfig,
+    /// Swapped by a config reload.
+    outlier: Arc<arc_swap::ArcSwap<OutlierConfig>>,
     /// For passive health: failures are reported to the pool, which applies the fleet cap.
     backends: Arc<Pool>,
 }
@@ -69,6 +70,11 @@ impl Forwarder {
     /// a late check-in cannot reach a newcomer either).
     pub fn forget(&self, backend: &Backend) {
         self.pool.purge(backend.uid);
+    }
+
+    /// Outlier-detection settings from a reloaded config.
+    pub fn set_outlier(&self, outlier: &OutlierConfig) {
+        self.outlier.store(Arc::new(outlier.clone()));
     }
 
     pub fn new(
@@ -90,7 +96,7 @@ impl Forwarder {
                 .then(|| Duration::from_millis(cfg.request_timeout_ms)),
             forward_client_authorization: cfg.forward_client_authorization,
             backend_header,
-            outlier: outlier.clone(),
+            outlier: Arc::new(arc_swap::ArcSwap::from_pointee(outlier.clone())),
             backends,
         }
     }
@@ -178,7 +184,7 @@ impl tower::Service<Dispatch> for Forwarder {
             let (conn, response) = match sent {
                 Err(_) => {
                     attempt_failed(&backend, "timeout");
-                    this.backends.report_failure(&backend, &this.outlier);
+                    this.backends.report_failure(&backend, &this.outlier.load());
                     return Err(Error::UpstreamTimeout {
                         backend: backend.name.clone(),
                         timeout_ms: limit_ms,
@@ -194,7 +200,7 @@ impl tower::Service<Dispatch> for Forwarder {
                             _ => "io",
                         },
                     );
-                    this.backends.report_failure(&backend, &this.outlier);
+                    this.backends.report_failure(&backend, &this.outlier.load());
                     let reason = std::error::Error::source(&e)
                         .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
                     return Err(Error::Upstream {

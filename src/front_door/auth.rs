@@ -17,6 +17,8 @@
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use std::time::Duration;
 
 use axum::extract::{ConnectInfo, Request, State};
@@ -189,7 +191,13 @@ impl Auth {
 }
 
 /// Middleware for the OpenAI routes.
-pub async fn client_gate(State(auth): State<Arc<Auth>>, req: Request, next: Next) -> Response {
+pub async fn client_gate(
+    State(auth): State<Arc<ArcSwap<Auth>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    // The keys and limits in effect now (a reload swaps them).
+    let auth = auth.load_full();
     if !auth.enabled() && !auth.limits_on() {
         return next.run(req).await;
     }
@@ -229,7 +237,12 @@ pub async fn client_gate(State(auth): State<Arc<Auth>>, req: Request, next: Next
 }
 
 /// Middleware for `/metrics` and `/admin/*`.
-pub async fn admin_gate(State(auth): State<Arc<Auth>>, req: Request, next: Next) -> Response {
+pub async fn admin_gate(
+    State(auth): State<Arc<ArcSwap<Auth>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let auth = auth.load_full();
     if let Some(token) = &auth.admin_token {
         if !bearer(&req).is_some_and(|t| ct_eq(t, token)) {
             return Error::Unauthorized.into_response();

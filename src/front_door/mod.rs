@@ -8,6 +8,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
+
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -33,12 +35,14 @@ use crate::telemetry as t;
 
 /// Everything a handler needs; shared by all requests.
 pub struct AppState {
-    pub config: Arc<Config>,
+    /// The configuration in effect; swapped by a config reload.
+    pub config: ArcSwap<Config>,
     pub pool: Arc<Pool>,
     pub service: SchedulerService<Forwarder>,
     pub metrics: Option<PrometheusHandle>,
     pub backend_header: header::HeaderName,
-    pub auth: Arc<auth::Auth>,
+    /// Keys and per-client limits; swapped by a config reload.
+    pub auth: Arc<ArcSwap<auth::Auth>>,
 }
 
 /// Routes of the OpenAI-compatible listener. When `with_admin` is set, `/metrics` and
@@ -138,10 +142,11 @@ async fn forward(
     model_label: &mut Option<String>,
 ) -> Result<Response, Error> {
     let (parts, body) = req.into_parts();
-    let server = &app.config.server;
+    let config = app.config.load();
+    let server = &config.server;
     let body = tokio::time::timeout(
         std::time::Duration::from_millis(server.body_read_timeout_ms),
-        read_body(body, &parts.headers, app.config.max_body_bytes),
+        read_body(body, &parts.headers, config.max_body_bytes),
     )
     .await
     .map_err(|_| Error::BodyTimeout(server.body_read_timeout_ms))??;
@@ -162,7 +167,7 @@ async fn forward(
         )));
     }
     let limits = crate::prompt::ParseLimits {
-        max_messages: app.config.limits.max_messages,
+        max_messages: config.limits.max_messages,
     };
     let view = match form_boundary {
         Some(boundary) => RequestView::multipart(&body, boundary),
@@ -264,6 +269,7 @@ async fn ready(State(app): State<Arc<AppState>>) -> Response {
 
 async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
     app.pool.count_states();
+    app.service.refresh_metrics();
     match &app.metrics {
         Some(handle) => (
             [(
@@ -337,6 +343,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
         .collect();
     Json(serde_json::json!({
         "backends": list,
+        "profile": app.service.profile_description(),
         "queued": app.service.queued(),
         "waiting_for_slot": app.pool.waiters().len(),
     }))

@@ -21,7 +21,7 @@ use crate::telemetry as t;
 /// Counts requests waiting for capacity, so the queue stays bounded.
 pub struct Queue {
     waiting: AtomicUsize,
-    max: usize,
+    max: AtomicUsize,
     gauge: metrics::Gauge,
 }
 
@@ -39,7 +39,7 @@ impl Queue {
     pub fn new(max: usize) -> Self {
         Queue {
             waiting: AtomicUsize::new(0),
-            max,
+            max: AtomicUsize::new(max),
             gauge: metrics::gauge!(t::REQUESTS_QUEUED),
         }
     }
@@ -49,13 +49,23 @@ impl Queue {
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
         self.gauge.set(before.saturating_add(1) as f64);
         let slot = QueueSlot(self);
-        if before >= self.max {
+        let max = self.max.load(Ordering::Relaxed);
+        if before >= max {
             return Err(Error::TooManyRequests {
-                reason: format!("the router's queue is full ({} waiting)", self.max),
+                reason: format!("the router's queue is full ({max} waiting)"),
                 retry_after_secs: 1,
             });
         }
         Ok(slot)
+    }
+
+    pub fn refresh_gauge(&self) {
+        self.gauge.set(self.waiting() as f64);
+    }
+
+    /// A new bound (config reload); requests already waiting stay.
+    pub fn set_max(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
     }
 
     pub fn waiting(&self) -> usize {

@@ -122,6 +122,9 @@ pub trait Plugin: Send + Sync {
     fn after_pick(&self, _request: &RequestView, _state: &CycleState, _backend: &Backend) {}
     /// `backend` left the pool: drop whatever the plugin keeps about it.
     fn backend_removed(&self, _backend: &Backend) {}
+    /// `/metrics` is being rendered: set the plugin's own gauges (they would otherwise idle
+    /// out of the exporter while no request comes).
+    fn refresh_metrics(&self) {}
 }
 
 /// Removes candidates that must not serve the request. A filter that would remove every

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use axum::body::Body;
 use http::{Response, StatusCode};
 use tokio::sync::Semaphore;
@@ -70,14 +71,48 @@ impl RetryPolicy {
     }
 }
 
+/// The layer's settings that a config reload replaces.
+struct Settings {
+    retry: RetryPolicy,
+    outlier: OutlierConfig,
+    queue_timeout: Duration,
+    max_inflight: usize,
+    /// (ratio, min per second, window) the budget was built with.
+    budget_params: (f64, u32, u64),
+}
+
+impl Settings {
+    fn new(forward: &ForwardConfig, limits: &LimitsConfig, outlier: &OutlierConfig) -> Self {
+        Settings {
+            retry: RetryPolicy::from_config(forward),
+            outlier: outlier.clone(),
+            queue_timeout: Duration::from_millis(limits.queue_timeout_ms),
+            max_inflight: limits.max_inflight,
+            budget_params: (
+                forward.retry_budget_ratio,
+                forward.retry_budget_min_per_sec,
+                forward.retry_budget_window_ms,
+            ),
+        }
+    }
+}
+
+fn budget((ratio, min, window): (f64, u32, u64)) -> RetryBudget {
+    RetryBudget::new(ratio, min, Duration::from_millis(window))
+}
+
+fn admission(max_inflight: usize) -> Option<Arc<Semaphore>> {
+    (max_inflight > 0).then(|| Arc::new(Semaphore::new(max_inflight)))
+}
+
 struct Shared {
     scheduler: Arc<Scheduler>,
-    retry: RetryPolicy,
-    budget: RetryBudget,
-    outlier: OutlierConfig,
-    admission: Option<Arc<Semaphore>>,
+    settings: ArcSwap<Settings>,
+    budget: ArcSwap<RetryBudget>,
+    /// The router-wide limit. A reload that changes it installs a new semaphore: requests
+    /// already admitted keep (and release) permits of the old one.
+    admission: ArcSwap<Option<Arc<Semaphore>>>,
     queue: Queue,
-    queue_timeout: Duration,
 }
 
 #[derive(Clone)]
@@ -92,22 +127,32 @@ impl SchedulerLayer {
         limits: &LimitsConfig,
         outlier: &OutlierConfig,
     ) -> Self {
+        let settings = Settings::new(forward, limits, outlier);
         SchedulerLayer {
             shared: Arc::new(Shared {
                 scheduler,
-                retry: RetryPolicy::from_config(forward),
-                budget: RetryBudget::new(
-                    forward.retry_budget_ratio,
-                    forward.retry_budget_min_per_sec,
-                    Duration::from_millis(forward.retry_budget_window_ms),
-                ),
-                outlier: outlier.clone(),
-                admission: (limits.max_inflight > 0)
-                    .then(|| Arc::new(Semaphore::new(limits.max_inflight))),
+                budget: ArcSwap::from_pointee(budget(settings.budget_params)),
+                admission: ArcSwap::from_pointee(admission(limits.max_inflight)),
                 queue: Queue::new(limits.max_queued),
-                queue_timeout: Duration::from_millis(limits.queue_timeout_ms),
+                settings: ArcSwap::from_pointee(settings),
             }),
         }
+    }
+
+    /// Apply reloaded settings: retry policy and budget, outlier detection, queue bound and
+    /// timeout, the router-wide in-flight limit. Requests in flight finish under the old ones.
+    pub fn reload(&self, forward: &ForwardConfig, limits: &LimitsConfig, outlier: &OutlierConfig) {
+        let s = &self.shared;
+        let next = Settings::new(forward, limits, outlier);
+        let old = s.settings.load();
+        if old.budget_params != next.budget_params {
+            s.budget.store(Arc::new(budget(next.budget_params)));
+        }
+        if old.max_inflight != next.max_inflight {
+            s.admission.store(Arc::new(admission(next.max_inflight)));
+        }
+        s.queue.set_max(limits.max_queued);
+        s.settings.store(Arc::new(next));
     }
 }
 
@@ -133,6 +178,19 @@ impl<S> SchedulerService<S> {
     /// Requests waiting in the router's queue now.
     pub fn queued(&self) -> usize {
         self.shared.queue.waiting()
+    }
+
+    /// Set the gauges that only change with traffic, before `/metrics` is rendered.
+    pub fn refresh_metrics(&self) {
+        self.shared.queue.refresh_gauge();
+        for plugin in self.shared.scheduler.profile().plugins() {
+            plugin.refresh_metrics();
+        }
+    }
+
+    /// The scheduling profile in effect, e.g. `default: saturation-filter → prefix…×2 → …`.
+    pub fn profile_description(&self) -> String {
+        self.shared.scheduler.profile().describe()
     }
 }
 
@@ -207,7 +265,10 @@ impl Shared {
             return;
         }
         for backend in five_xx {
-            self.scheduler.pool().report_failure(backend, &self.outlier);
+            let settings = self.settings.load();
+            self.scheduler
+                .pool()
+                .report_failure(backend, &settings.outlier);
         }
     }
 }
@@ -229,12 +290,15 @@ where
         let inner = self.inner.clone();
         let s = Arc::clone(&self.shared);
         Box::pin(async move {
-            let deadline = Instant::now() + s.queue_timeout;
-            let permit = match &s.admission {
+            let settings = s.settings.load_full();
+            let budget = s.budget.load_full();
+            let deadline = Instant::now() + settings.queue_timeout;
+            let semaphore = s.admission.load_full();
+            let permit = match &*semaphore {
                 Some(semaphore) => Some(acquire(semaphore, &s.queue, deadline).await?),
                 None => None,
             };
-            s.budget.deposit();
+            budget.deposit();
             let request = Arc::new(request);
             // The request's own plugin state, kept across retries and waits (block hashes are
             // computed once).
@@ -256,14 +320,15 @@ where
                 };
                 let result = inner.clone().oneshot(dispatch).await;
                 let server_error = matches!(&result, Ok(r) if r.status().is_server_error());
-                let next = if s.retry.retryable(&result) && attempt < s.retry.max_attempts {
+                let retry = &settings.retry;
+                let next = if retry.retryable(&result) && attempt < retry.max_attempts {
                     excluded.push(backend.id);
                     // Only a pick that will be sent spends the budget; one not sent frees its
                     // slot on drop and is never recorded.
                     s.scheduler
                         .schedule(&request.view, &mut state, &excluded)
                         .ok()
-                        .filter(|_| s.budget.withdraw())
+                        .filter(|_| budget.withdraw())
                 } else {
                     None
                 };
@@ -282,7 +347,7 @@ where
                     Err(e) => e.to_string(),
                 };
                 tracing::warn!(backend = %backend.name, attempt, error = %what, next = %next.backend().name, "retrying on another backend");
-                let pause = tokio::time::sleep(s.retry.backoff(attempt));
+                let pause = tokio::time::sleep(retry.backoff(attempt));
                 match result {
                     // Read the refused answer to its end while backing off, so its keep-alive
                     // connection returns to the pool; it is not a client disconnect.

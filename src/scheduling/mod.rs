@@ -20,6 +20,8 @@ pub use layer::{RetryPolicy, SchedulerLayer, SchedulerService};
 use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
+
 use crate::endpoints::capacity::Slot;
 use crate::endpoints::passive::Admission;
 use crate::endpoints::{Backend, Pool};
@@ -47,16 +49,26 @@ pub enum Refused {
 /// Runs the active profile over the pool.
 pub struct Scheduler {
     pool: Arc<Pool>,
-    profile: Arc<Profile>,
+    /// Swapped whole on a config reload; each decision reads it once.
+    profile: ArcSwap<Profile>,
 }
 
 impl Scheduler {
     pub fn new(pool: Arc<Pool>, profile: Arc<Profile>) -> Self {
-        Scheduler { pool, profile }
+        Scheduler {
+            pool,
+            profile: ArcSwap::new(profile),
+        }
     }
 
-    pub fn profile(&self) -> &Arc<Profile> {
-        &self.profile
+    /// The profile in effect now.
+    pub fn profile(&self) -> Arc<Profile> {
+        self.profile.load_full()
+    }
+
+    /// Put `profile` in effect for every decision from now on.
+    pub fn set_profile(&self, profile: Arc<Profile>) {
+        self.profile.store(profile);
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
@@ -74,15 +86,16 @@ impl Scheduler {
     ) -> Result<InflightGuard, Refused> {
         let now = Instant::now();
         let members = self.pool.backends();
+        let profile = self.profile.load();
         let mut lost: Vec<usize> = Vec::new();
         for _ in 0..MAX_RACES {
             let mut candidates = self.pool.candidates(&members, now);
             candidates
                 .retain(|c| !exclude.contains(&c.backend.id) && !lost.contains(&c.backend.id));
-            match self.profile.run(request, state, &mut candidates) {
+            match profile.run(request, state, &mut candidates) {
                 Ok(decision) => {
                     let backend = candidates[decision.index].backend;
-                    match self.reserve(backend) {
+                    match Self::reserve(&profile, backend) {
                         Some(slot) => return Ok(InflightGuard::new(slot, request)),
                         None => lost.push(backend.id),
                     }
@@ -96,20 +109,20 @@ impl Scheduler {
         }
         let mut candidates = self.pool.candidates(&members, now);
         candidates.retain(|c| !exclude.contains(&c.backend.id));
-        let eligible = self.profile.uncapped(request, &mut candidates);
+        let eligible = profile.uncapped(request, &mut candidates);
         if eligible.is_empty() {
             return Err(Refused::Failed(self.explain(request)));
         }
         Err(Refused::AtCapacity {
             eligible,
-            limit: self.profile.slot_limit(),
+            limit: profile.slot_limit(),
         })
     }
 
     /// Take a slot on `backend` under the profile's limit, and its probe when it is on
     /// probation after an ejection.
-    fn reserve(&self, backend: &Arc<Backend>) -> Option<Slot> {
-        let mut slot = Slot::try_reserve(backend, self.profile.slot_limit())?;
+    fn reserve(profile: &Profile, backend: &Arc<Backend>) -> Option<Slot> {
+        let mut slot = Slot::try_reserve(backend, profile.slot_limit())?;
         match backend.passive().claim(tokio::time::Instant::now()) {
             Admission::Open => Some(slot),
             Admission::Probe => {
@@ -128,14 +141,14 @@ impl Scheduler {
     /// `request` is being sent to `backend`: run the plugins' `after_pick` hooks (the prefix
     /// index records it). Called once per attempt actually sent, never for a pick given up.
     pub fn sent(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
-        for plugin in self.profile.plugins() {
+        for plugin in self.profile.load().plugins() {
             plugin.after_pick(request, state, backend);
         }
     }
 
     /// `backend` left the pool: every plugin forgets it.
     pub fn forget(&self, backend: &Backend) {
-        for plugin in self.profile.plugins() {
+        for plugin in self.profile.load().plugins() {
             plugin.backend_removed(backend);
         }
     }

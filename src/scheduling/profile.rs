@@ -55,6 +55,8 @@ pub struct Profile {
     plugins: Vec<Arc<dyn Plugin>>,
     /// The smallest per-backend in-flight limit among the filters (see [`Filter::capacity`]).
     slot_limit: Option<u64>,
+    /// Every declared plugin instance with the spec it was built from, for reuse on reload.
+    built: HashMap<String, (PluginSpec, PluginInstance)>,
 }
 
 impl Profile {
@@ -191,7 +193,24 @@ fn default_parameters(kind: &str) -> toml::Table {
 
 /// Build the active profile (and validate all the others) from the config.
 pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
+    build_active_reusing(config, None)
+}
+
+/// Like [`build_active`], reusing the plugin instances of `previous` whose name, type and
+/// parameters are unchanged — a reload that only changes weights or limits keeps the prefix
+/// index and every other plugin's state.
+pub fn build_active_reusing(
+    config: &Config,
+    previous: Option<&Profile>,
+) -> Result<Arc<Profile>, ConfigError> {
+    let mut specs: HashMap<String, PluginSpec> = HashMap::new();
     let mut instances: HashMap<String, PluginInstance> = HashMap::new();
+    let reuse_or_build = |spec: &PluginSpec| -> Result<PluginInstance, ConfigError> {
+        match previous.and_then(|p| p.built.get(spec.instance_name())) {
+            Some((old, instance)) if old == spec => Ok(instance.clone()),
+            _ => build(spec),
+        }
+    };
     for (i, spec) in config.plugins.iter().enumerate() {
         let name = spec.instance_name().to_owned();
         if instances.contains_key(&name) {
@@ -200,7 +219,8 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
                 format!("duplicate plugin name `{name}`"),
             ));
         }
-        instances.insert(name, build(spec)?);
+        instances.insert(name.clone(), reuse_or_build(spec)?);
+        specs.insert(name, spec.clone());
     }
     let profiles: Vec<ProfileSpec> = if config.scheduling_profiles.is_empty() {
         // The default profile may use plugins the file does not declare: create them with defaults.
@@ -211,7 +231,8 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
                     name: None,
                     parameters: default_parameters(kind),
                 };
-                instances.insert((*kind).to_owned(), build(&spec)?);
+                instances.insert((*kind).to_owned(), reuse_or_build(&spec)?);
+                specs.insert((*kind).to_owned(), spec);
             }
         }
         vec![ProfileSpec {
@@ -240,8 +261,17 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
                 format!("duplicate profile name `{}`", spec.name),
             ));
         }
-        let profile = build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
+        let mut profile =
+            build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
         if spec.name == wanted {
+            profile.built = specs
+                .iter()
+                .filter_map(|(name, spec)| {
+                    instances
+                        .get(name)
+                        .map(|i| (name.clone(), (spec.clone(), i.clone())))
+                })
+                .collect();
             active = Some(Arc::new(profile));
         }
     }
@@ -330,6 +360,7 @@ fn build_profile(
     Ok(Profile {
         name: spec.name.clone(),
         slot_limit,
+        built: HashMap::new(),
         filters: mandatory,
         scorers,
         picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),

@@ -199,3 +199,42 @@ fn scorers_reading_signals_an_engine_lacks_are_reported() {
         .missing_signals(&vllm_only)
         .is_empty());
 }
+
+/// A reload that only changes weights keeps every plugin instance (and so the prefix index);
+/// a plugin whose parameters change is built anew.
+#[test]
+fn reload_reuses_unchanged_plugin_instances() {
+    let text = |weight: u32, block: u32| {
+        format!(
+            "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = {block}\n\
+             [[plugins]]\ntype = \"queue-scorer\"\n\
+             [[scheduling_profiles]]\nname = \"p\"\n\
+             plugins = [{{ plugin_ref = \"prefix-cache-scorer\", weight = {weight} }}, {{ plugin_ref = \"queue-scorer\" }}]\n"
+        )
+    };
+    let first = build_active(&config(&text(1, 64))).unwrap();
+    let same = build_active_reusing(&config(&text(3, 64)), Some(&first)).unwrap();
+    let changed = build_active_reusing(&config(&text(3, 32)), Some(&first)).unwrap();
+    let prefix = |p: &Profile| {
+        p.plugins()
+            .iter()
+            .find(|x| x.type_name() == "prefix-cache-scorer")
+            .cloned()
+            .unwrap()
+    };
+    assert!(
+        Arc::ptr_eq(&prefix(&first), &prefix(&same)),
+        "weights only: kept"
+    );
+    assert!(
+        !Arc::ptr_eq(&prefix(&first), &prefix(&changed)),
+        "parameters changed: rebuilt"
+    );
+    assert!(same.describe().contains("prefix-cache-scorer×3"));
+    let default = build_active(&config("")).unwrap();
+    let again = build_active_reusing(&config(""), Some(&default)).unwrap();
+    assert!(
+        Arc::ptr_eq(&prefix(&default), &prefix(&again)),
+        "default profile too"
+    );
+}

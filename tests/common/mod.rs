@@ -20,6 +20,8 @@ use inferlb::config::{BackendConfig, Config};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch, Notify};
 
+pub mod binary;
+
 /// What a fake backend's `/metrics` reports.
 #[derive(Debug, Clone)]
 pub struct FakeMetrics {

@@ -185,6 +185,11 @@ impl Plugin for PrefixCacheScorer {
 
     fn backend_removed(&self, backend: &Backend) {
         self.index.purge(backend.id);
+        self.refresh_metrics();
+    }
+
+    fn refresh_metrics(&self) {
+        metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
     }
 
     fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
