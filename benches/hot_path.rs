@@ -156,5 +156,41 @@ fn metrics_page(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, decision, metrics_page);
+/// One membership change (a pod replaced by a new one) at 100 and 1,000 backends: the whole
+/// desired set is handed to `Pool::reconcile`, which diffs it and swaps in a new snapshot.
+fn membership(c: &mut Criterion) {
+    use inferlb::config::DiscoverySource;
+    use inferlb::discovery::DesiredBackend;
+    let mut g = c.benchmark_group("membership_change");
+    for n in [100usize, 1_000] {
+        let mut config = Config::default();
+        config.discovery.source = DiscoverySource::File;
+        let pool = Pool::from_config(&config).unwrap();
+        let set = |extra: u16| -> Vec<DesiredBackend> {
+            (0..n)
+                .map(|i| {
+                    let port = if i == 0 {
+                        40_000 + extra
+                    } else {
+                        20_000 + i as u16
+                    };
+                    DesiredBackend::new(BackendConfig::from_url(format!("http://10.0.0.1:{port}")))
+                })
+                .collect()
+        };
+        let (a, b) = (set(0), set(1));
+        pool.reconcile("file", a.clone());
+        let mut flip = false;
+        g.bench_function(BenchmarkId::from_parameter(n), |bench| {
+            bench.iter(|| {
+                flip = !flip;
+                let next = if flip { b.clone() } else { a.clone() };
+                black_box(pool.reconcile("file", next))
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hashing, decision, metrics_page, membership);
 criterion_main!(benches);
