@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::binary::spawn_with;
-use common::{client, FakeBackend};
+use common::{admin_at as admin, client, metrics_at as metrics, FakeBackend};
 use futures_util::StreamExt;
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -23,28 +23,6 @@ fn write_atomically(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();
     std::fs::rename(&tmp, path).unwrap();
-}
-
-async fn admin(addr: &str) -> serde_json::Value {
-    client()
-        .get(format!("http://{addr}/admin/backends"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-async fn metrics(addr: &str) -> String {
-    client()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// Re-check `cond` on the router's admin view every 20 ms, for at most 30 s.

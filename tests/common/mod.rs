@@ -462,8 +462,13 @@ pub async fn open_stream(router: &TestRouter) -> reqwest::Response {
 
 /// The router's `/metrics` page.
 pub async fn metrics_text(router: &TestRouter) -> String {
+    metrics_at(&router.addr.to_string()).await
+}
+
+/// The `/metrics` page of the router listening on `addr` (host:port).
+pub async fn metrics_at(addr: &str) -> String {
     client()
-        .get(router.url("/metrics"))
+        .get(format!("http://{addr}/metrics"))
         .send()
         .await
         .unwrap()
@@ -474,8 +479,13 @@ pub async fn metrics_text(router: &TestRouter) -> String {
 
 /// The router's `/admin/backends` answer.
 pub async fn admin_view(router: &TestRouter) -> serde_json::Value {
+    admin_at(&router.addr.to_string()).await
+}
+
+/// The `/admin/backends` answer of the router listening on `addr` (host:port).
+pub async fn admin_at(addr: &str) -> serde_json::Value {
     client()
-        .get(router.url("/admin/backends"))
+        .get(format!("http://{addr}/admin/backends"))
         .send()
         .await
         .unwrap()
