@@ -229,6 +229,15 @@ pub async fn client_gate(State(auth): State<Arc<Auth>>, req: Request, next: Next
 }
 
 /// Middleware for `/metrics` and `/admin/*`.
+impl Auth {
+    /// Is `presented` the configured admin token? False when none is configured.
+    pub fn is_admin_token(&self, presented: &[u8]) -> bool {
+        self.admin_token
+            .as_ref()
+            .is_some_and(|token| ct_eq(presented, token))
+    }
+}
+
 pub async fn admin_gate(State(auth): State<Arc<Auth>>, req: Request, next: Next) -> Response {
     if let Some(token) = &auth.admin_token {
         if !bearer(&req).is_some_and(|t| ct_eq(t, token)) {

@@ -8,6 +8,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+#[path = "decisions.rs"]
+pub mod decisions;
+
 use super::framework::{CycleState, Filter, Picker, Plugin, Rejection, Scorer};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
@@ -55,6 +58,8 @@ pub struct Profile {
     plugins: Vec<Arc<dyn Plugin>>,
     /// The smallest per-backend in-flight limit among the filters (see [`Filter::capacity`]).
     slot_limit: Option<u64>,
+    /// Recent decisions, for `/admin/decisions` and the explain header.
+    decisions: Arc<decisions::DecisionLog>,
 }
 
 impl Profile {
@@ -78,7 +83,9 @@ impl Profile {
         let mut totals = vec![0.0; candidates.len()];
         let mut scratch = vec![0.0; candidates.len()];
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        let mut trace: Vec<(&str, Vec<f64>)> = Vec::new();
+        let recording = self.decisions.recording();
+        let keep = debug || recording || decisions::want_explanation();
+        let mut trace: Vec<Vec<f64>> = Vec::new();
         for (scorer, weight) in &self.scorers {
             scorer.score(request, state, candidates, &mut scratch);
             for (total, score) in totals.iter_mut().zip(&scratch) {
@@ -89,19 +96,29 @@ impl Profile {
                 };
                 *total += weight * s;
             }
-            if debug {
-                trace.push((scorer.name(), scratch.clone()));
+            if keep {
+                trace.push(scratch.clone());
             }
         }
         let index = self
             .picker
             .pick(candidates, &totals)
             .ok_or(Rejection::Unavailable)?;
+        decisions::note_pick();
+        if keep {
+            let scorers: Vec<(&str, f64)> =
+                self.scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
+            self.decisions.record(
+                recording, &self.name, request, candidates, &scorers, &trace, &totals, index,
+            );
+        }
         if debug {
             for (i, c) in candidates.iter().enumerate() {
-                let parts: Vec<String> = trace
+                let parts: Vec<String> = self
+                    .scorers
                     .iter()
-                    .map(|(n, s)| format!("{n}={:.3}", s[i]))
+                    .zip(&trace)
+                    .map(|((n, _), s)| format!("{}={:.3}", n.name(), s[i]))
                     .collect();
                 tracing::debug!(
                     profile = %self.name,
@@ -132,6 +149,11 @@ impl Profile {
     /// The per-backend in-flight limit slots are reserved under.
     pub fn slot_limit(&self) -> Option<u64> {
         self.slot_limit
+    }
+
+    /// The ring of recent decisions (shared by every profile built from one config).
+    pub fn decisions(&self) -> &Arc<decisions::DecisionLog> {
+        &self.decisions
     }
 
     pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
@@ -233,6 +255,10 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
         .clone()
         .unwrap_or_else(|| profiles[0].name.clone());
     let mut seen = std::collections::HashSet::new();
+    let log = Arc::new(decisions::DecisionLog::new(
+        config.admin.decisions,
+        config.admin.decisions_always,
+    ));
     for (pi, spec) in profiles.iter().enumerate() {
         if !seen.insert(spec.name.clone()) {
             return Err(ConfigError::invalid(
@@ -240,7 +266,9 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
                 format!("duplicate profile name `{}`", spec.name),
             ));
         }
-        let profile = build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
+        let mut profile =
+            build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
+        profile.decisions = Arc::clone(&log);
         if spec.name == wanted {
             active = Some(Arc::new(profile));
         }
@@ -334,6 +362,7 @@ fn build_profile(
         scorers,
         picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),
         plugins,
+        decisions: Arc::new(decisions::DecisionLog::new(0, false)),
     })
 }
 
