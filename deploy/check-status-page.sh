@@ -27,7 +27,7 @@ chat() {
         -d "{\"model\":\"demo-llama\",\"max_tokens\":8,\"messages\":[{\"role\":\"system\",\"content\":\"Shared system prompt of the status page check, long enough to span several prefix blocks of the index.\"},{\"role\":\"user\",\"content\":\"question $1\"}]}"
 }
 fail() { echo "FAIL: $*"; exit 1; }
-count() { grep -o "$1" "$2" | wc -l; }
+count() { { grep -o "$1" "$2" || true; } | wc -l; }
 
 chrome --dump-dom > "$work/first.html"
 rows=$(count '<tr data-backend=' "$work/first.html")
