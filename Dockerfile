@@ -21,15 +21,18 @@ ARG BUILD_CA_FILE=
 RUN if [ -n "$BUILD_CA_FILE" ]; then export CARGO_HTTP_CAINFO="$BUILD_CA_FILE"; fi \
  && cargo --version && rustc --version \
  && cargo build --release --locked -p inferlb -p vllm-sim \
- && strip target/release/inferlb target/release/vllm-sim
+ && strip target/release/inferlb target/release/vllm-sim \
+ && install -m 0755 target/release/inferlb target/release/vllm-sim /usr/local/bin/ \
+ && rm -rf target /root/.cargo/registry /root/.cargo/git
+# (target/ is removed in the same step: the build stage's layer would otherwise hold ~2 GB of
+# build output — a first build here failed writing that layer to a nearly full disk.)
 
 # Runtime stage: the two binaries, the default config, an unprivileged user. No shell tools
 # beyond the base image's: the health check talks HTTP/1.0 through bash's /dev/tcp
 # to the port INFERLB_LISTEN names.
 FROM debian:trixie-slim
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin inferlb
-COPY --from=build /src/target/release/inferlb /usr/local/bin/inferlb
-COPY --from=build /src/target/release/vllm-sim /usr/local/bin/vllm-sim
+COPY --from=build /usr/local/bin/inferlb /usr/local/bin/vllm-sim /usr/local/bin/
 COPY config.toml /etc/inferlb/config.toml
 ENV INFERLB_LISTEN=0.0.0.0:8000
 USER 10001:10001
