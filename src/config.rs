@@ -79,6 +79,30 @@ pub struct Config {
     pub scheduling_profiles: Vec<ProfileSpec>,
     /// Which profile schedules requests; the first one when unset.
     pub profile: Option<String>,
+    /// The status page, recent decisions and the explain header.
+    pub admin: AdminConfig,
+}
+
+/// `[admin]`: what `/admin`, `/admin/decisions` and `x-inferlb-explain` keep and show.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Recent scheduling decisions kept (a ring; 0 = none). Recorded only while someone reads
+    /// them (for 10 minutes after each read of `/admin/decisions`), unless `decisions_always`.
+    pub decisions: usize,
+    pub decisions_always: bool,
+    /// Honour `x-inferlb-explain: 1` from every client (admin-token holders always may).
+    pub explain: bool,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            decisions: 64,
+            decisions_always: false,
+            explain: false,
+        }
+    }
 }
 
 impl Default for Config {
@@ -103,6 +127,7 @@ impl Default for Config {
             plugins: Vec::new(),
             scheduling_profiles: Vec::new(),
             profile: None,
+            admin: AdminConfig::default(),
         }
     }
 }
@@ -603,6 +628,9 @@ impl Config {
 
     /// Checks that need the whole picture; plugin parameters are checked by their factories.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.admin.decisions > 10_000 {
+            return Err(ConfigError::invalid("admin.decisions", "at most 10000"));
+        }
         if self.discovery.source != DiscoverySource::Static {
             // Builds the source without starting it: checks its settings.
             crate::discovery::from_config(self)?;

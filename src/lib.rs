@@ -6,8 +6,10 @@
 //!
 //! # Layout (in the order a request meets it)
 //!
-//! * [`front_door`] — axum routes: `/v1/*`, `/health`, `/ready`, `/metrics`, `/admin/backends`.
-//!   Reads the body once, bounded, and turns every failure into OpenAI's error JSON via [`error`].
+//! * [`front_door`] — axum routes: `/v1/*`, `/health`, `/ready`, `/metrics`, `/admin/backends`,
+//!   the status page `/admin` and `/admin/decisions` (`front_door::status`), the access log
+//!   (`front_door::access`). Reads the body once, bounded, and turns every failure into OpenAI's
+//!   error JSON via [`error`].
 //! * [`prompt`] — parses the body once into a [`prompt::RequestView`]: model, stream flag and a
 //!   deterministic *routing text* rendered from the messages or prompt, checking the fields it
 //!   reads on the way (`prompt::fields`); multipart audio forms yield their `model` field only
@@ -118,6 +120,7 @@ pub async fn run_reloadable(
 
     let backend_header = http::HeaderName::from_bytes(config.backend_header.as_bytes())
         .map_err(|_| ConfigError::invalid("backend_header", "not a valid header name"))?;
+    let decisions = Arc::clone(profile.decisions());
     let scheduler = Arc::new(Scheduler::new(Arc::clone(&pool), profile));
     let forwarder = Forwarder::new(
         &config.forward,
@@ -153,6 +156,7 @@ pub async fn run_reloadable(
         auth: Arc::new(arc_swap::ArcSwap::from_pointee(
             front_door::auth::Auth::from_config(&config.auth)?,
         )),
+        decisions,
     });
     let live = reload::Live {
         state: Arc::clone(&state),

@@ -17,7 +17,7 @@ struct Cli {
     #[arg(long, short, env = "INFERLB_CONFIG")]
     config: Option<PathBuf>,
     /// Address of the OpenAI-compatible listener (overrides `listen`).
-    #[arg(long)]
+    #[arg(long, env = "INFERLB_LISTEN")]
     listen: Option<SocketAddr>,
     /// Separate listener for /metrics and /admin/* (overrides `admin_listen`).
     #[arg(long)]

@@ -130,7 +130,8 @@ pub fn init_logging(format: LogFormat, filter: &str) {
         .with_env_filter(filter)
         .with_target(false);
     let _ = match format {
-        LogFormat::Json => builder.json().try_init(),
+        // JSON lines name their target (`inferlb::access` for the access log) for log pipelines.
+        LogFormat::Json => builder.with_target(true).json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
 }

@@ -237,6 +237,15 @@ pub async fn client_gate(
 }
 
 /// Middleware for `/metrics` and `/admin/*`.
+impl Auth {
+    /// Is `presented` the configured admin token? False when none is configured.
+    pub fn is_admin_token(&self, presented: &[u8]) -> bool {
+        self.admin_token
+            .as_ref()
+            .is_some_and(|token| ct_eq(presented, token))
+    }
+}
+
 pub async fn admin_gate(
     State(auth): State<Arc<ArcSwap<Auth>>>,
     req: Request,

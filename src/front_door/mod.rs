@@ -21,8 +21,10 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceExt;
 
+pub mod access;
 pub mod auth;
 pub mod serve;
+pub mod status;
 
 use crate::config::Config;
 use crate::endpoints::passive::Status;
@@ -30,6 +32,7 @@ use crate::endpoints::Pool;
 use crate::error::Error;
 use crate::forward::{Forwarder, ProxyRequest};
 use crate::prompt::{Operation, RequestView};
+use crate::scheduling::profile::decisions::{self, DecisionLog, RequestTrace};
 use crate::scheduling::SchedulerService;
 use crate::telemetry as t;
 
@@ -43,7 +46,16 @@ pub struct AppState {
     pub backend_header: header::HeaderName,
     /// Keys and per-client limits; swapped by a config reload.
     pub auth: Arc<ArcSwap<auth::Auth>>,
+    /// Recent scheduling decisions (`/admin/decisions`, the status page).
+    pub decisions: Arc<DecisionLog>,
 }
+
+/// Request header asking for the decision summary (`1`); honoured with `admin.explain` or
+/// with the admin token in [`ADMIN_TOKEN_HEADER`].
+pub const EXPLAIN_HEADER: &str = "x-inferlb-explain";
+pub const ADMIN_TOKEN_HEADER: &str = "x-inferlb-admin-token";
+/// Response header carrying the summary of the request's last scheduling decision.
+pub const DECISION_HEADER: &str = "x-inferlb-decision";
 
 /// Routes of the OpenAI-compatible listener. When `with_admin` is set, `/metrics` and
 /// `/admin/*` are served here too (no separate admin listener configured).
@@ -83,10 +95,13 @@ fn admin_routes(state: &AppState) -> Router<Arc<AppState>> {
     Router::new()
         .route("/metrics", get(prometheus))
         .route("/admin/backends", get(backends))
+        .route("/admin/decisions", get(status::decisions))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state.auth),
             auth::admin_gate,
         ))
+        // The page holds no data (its script fetches the routes above with the token).
+        .route("/admin", get(status::page))
 }
 
 async fn chat(State(app): State<Arc<AppState>>, req: Request) -> Response {
@@ -101,13 +116,80 @@ async fn other(State(app): State<Arc<AppState>>, req: Request) -> Response {
     proxy(app, Operation::Other, req).await
 }
 
-/// Counts every client request exactly once, with its final status.
-async fn proxy(app: Arc<AppState>, operation: Operation, req: Request) -> Response {
+/// May this request have its decision explained? Takes the explain and admin-token headers
+/// off the request (they are for the router, not the backend).
+fn explain_allowed(app: &AppState, headers: &mut HeaderMap) -> bool {
+    let asked = headers
+        .remove(EXPLAIN_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"1");
+    let token = headers.remove(ADMIN_TOKEN_HEADER);
+    asked
+        && (app.config.load().admin.explain
+            || token.is_some_and(|t| app.auth.load().is_admin_token(t.as_bytes())))
+}
+
+/// What `forward` learnt that the access log reports.
+#[derive(Default)]
+struct Facts {
+    request_id: Option<HeaderValue>,
+    prompt_bytes: usize,
+}
+
+/// Counts every client request exactly once, with its final status; adds the explain header
+/// and the access-log line when wanted.
+async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Response {
     let received_at = Instant::now();
+    let explain = explain_allowed(&app, req.headers_mut());
+    let log = access::enabled();
+    let trace = (explain || log).then(|| RequestTrace::new(explain));
     // Filled only with a model some backend lists, so client-chosen names never become labels.
     let mut model: Option<String> = None;
-    let result = forward(&app, operation, req, received_at, &mut model).await;
+    let mut facts = Facts::default();
+    let forwarding = forward(&app, operation, req, received_at, &mut model, &mut facts);
+    let result = match &trace {
+        Some(trace) => decisions::scope(Arc::clone(trace), forwarding).await,
+        None => forwarding.await,
+    };
     let model = model.unwrap_or_else(|| t::OTHER_MODEL.into());
+    let Some(trace) = trace else {
+        return count(&app, result, model);
+    };
+    let mut response = count(&app, result, model.clone());
+    if explain {
+        let summary = match trace.last_decision() {
+            Some(record) => decisions::summary(&record, trace.picks(), 4096),
+            None => "none (no scheduling decision was made for this request)".to_owned(),
+        };
+        if let Ok(value) = HeaderValue::from_str(&summary) {
+            response.headers_mut().insert(DECISION_HEADER, value);
+        }
+    }
+    if !log {
+        return response;
+    }
+    let entry = access::Entry {
+        request_id: facts
+            .request_id
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned(),
+        model,
+        backend: response
+            .headers()
+            .get(&app.backend_header)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none")
+            .to_owned(),
+        status: response.status().as_u16(),
+        attempts: trace.picks(),
+        prompt_bytes: facts.prompt_bytes,
+        prefix_matched: trace.prefix(),
+    };
+    access::log_at_end(response, entry, received_at)
+}
+
+fn count(app: &AppState, result: Result<Response, Error>, model: String) -> Response {
     match result {
         Ok(response) => {
             let backend = response
@@ -140,6 +222,7 @@ async fn forward(
     req: Request,
     received_at: Instant,
     model_label: &mut Option<String>,
+    facts: &mut Facts,
 ) -> Result<Response, Error> {
     let (parts, body) = req.into_parts();
     let config = app.config.load();
@@ -188,6 +271,8 @@ async fn forward(
             "the path must not contain `.` or `..` segments, encoded slashes or backslashes".into(),
         ));
     }
+    facts.request_id = Some(request_id.clone());
+    facts.prompt_bytes = view.routing_text.as_ref().map_or(0, String::len);
     // Only a model some backend lists may become a label; anything else is `other`.
     *model_label = view.model.clone().filter(|m| app.pool.lists_model(m));
     let request = ProxyRequest {

@@ -8,6 +8,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+#[path = "decisions.rs"]
+pub mod decisions;
+
 use super::framework::{CycleState, Filter, Picker, Plugin, Rejection, Scorer};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
@@ -57,6 +60,8 @@ pub struct Profile {
     slot_limit: Option<u64>,
     /// Every declared plugin instance with the spec it was built from, for reuse on reload.
     built: HashMap<String, (PluginSpec, PluginInstance)>,
+    /// Recent decisions, for `/admin/decisions` and the explain header.
+    decisions: Arc<decisions::DecisionLog>,
 }
 
 impl Profile {
@@ -80,7 +85,9 @@ impl Profile {
         let mut totals = vec![0.0; candidates.len()];
         let mut scratch = vec![0.0; candidates.len()];
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        let mut trace: Vec<(&str, Vec<f64>)> = Vec::new();
+        let recording = self.decisions.recording();
+        let keep = debug || recording || decisions::want_explanation();
+        let mut trace: Vec<Vec<f64>> = Vec::new();
         for (scorer, weight) in &self.scorers {
             scorer.score(request, state, candidates, &mut scratch);
             for (total, score) in totals.iter_mut().zip(&scratch) {
@@ -91,19 +98,29 @@ impl Profile {
                 };
                 *total += weight * s;
             }
-            if debug {
-                trace.push((scorer.name(), scratch.clone()));
+            if keep {
+                trace.push(scratch.clone());
             }
         }
         let index = self
             .picker
             .pick(candidates, &totals)
             .ok_or(Rejection::Unavailable)?;
+        decisions::note_pick();
+        if keep {
+            let scorers: Vec<(&str, f64)> =
+                self.scorers.iter().map(|(s, w)| (s.name(), *w)).collect();
+            self.decisions.record(
+                recording, &self.name, request, candidates, &scorers, &trace, &totals, index,
+            );
+        }
         if debug {
             for (i, c) in candidates.iter().enumerate() {
-                let parts: Vec<String> = trace
+                let parts: Vec<String> = self
+                    .scorers
                     .iter()
-                    .map(|(n, s)| format!("{n}={:.3}", s[i]))
+                    .zip(&trace)
+                    .map(|((n, _), s)| format!("{}={:.3}", n.name(), s[i]))
                     .collect();
                 tracing::debug!(
                     profile = %self.name,
@@ -134,6 +151,11 @@ impl Profile {
     /// The per-backend in-flight limit slots are reserved under.
     pub fn slot_limit(&self) -> Option<u64> {
         self.slot_limit
+    }
+
+    /// The ring of recent decisions (shared by every profile built from one config).
+    pub fn decisions(&self) -> &Arc<decisions::DecisionLog> {
+        &self.decisions
     }
 
     pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
@@ -254,6 +276,16 @@ pub fn build_active_reusing(
         .clone()
         .unwrap_or_else(|| profiles[0].name.clone());
     let mut seen = std::collections::HashSet::new();
+    // A reload keeps the ring (the status page and `/admin/decisions` hold it).
+    let log = previous.map_or_else(
+        || {
+            Arc::new(decisions::DecisionLog::new(
+                config.admin.decisions,
+                config.admin.decisions_always,
+            ))
+        },
+        |p| Arc::clone(&p.decisions),
+    );
     for (pi, spec) in profiles.iter().enumerate() {
         if !seen.insert(spec.name.clone()) {
             return Err(ConfigError::invalid(
@@ -263,6 +295,7 @@ pub fn build_active_reusing(
         }
         let mut profile =
             build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
+        profile.decisions = Arc::clone(&log);
         if spec.name == wanted {
             profile.built = specs
                 .iter()
@@ -365,6 +398,7 @@ fn build_profile(
         scorers,
         picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),
         plugins,
+        decisions: Arc::new(decisions::DecisionLog::new(0, false)),
     })
 }
 

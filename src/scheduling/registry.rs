@@ -27,12 +27,42 @@ pub enum PluginInstance {
     Picker(Arc<dyn Picker>),
 }
 
+/// A role trait object seen as a [`Plugin`]. `Arc<dyn Filter>` → `Arc<dyn Plugin>` is trait
+/// upcasting, stable only since Rust 1.86; the workspace's declared rust-version is 1.85, so
+/// the hooks are delegated instead. Every [`Plugin`] method must be forwarded here.
+/// The plugin view of a filter, scorer or picker. Every method of [`Plugin`] must be
+/// forwarded here: one left out silently becomes the default no-op for every plugin.
+struct AsPlugin<T: ?Sized>(Arc<T>);
+
+impl<T: Plugin + ?Sized> Plugin for AsPlugin<T> {
+    fn type_name(&self) -> &'static str {
+        self.0.type_name()
+    }
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn after_pick(
+        &self,
+        request: &crate::prompt::RequestView,
+        state: &super::framework::CycleState,
+        backend: &crate::endpoints::Backend,
+    ) {
+        self.0.after_pick(request, state, backend);
+    }
+    fn backend_removed(&self, backend: &crate::endpoints::Backend) {
+        self.0.backend_removed(backend);
+    }
+    fn refresh_metrics(&self) {
+        self.0.refresh_metrics();
+    }
+}
+
 impl PluginInstance {
     pub fn as_plugin(&self) -> Arc<dyn Plugin> {
         match self {
-            PluginInstance::Filter(p) => p.clone(),
-            PluginInstance::Scorer(p) => p.clone(),
-            PluginInstance::Picker(p) => p.clone(),
+            PluginInstance::Filter(p) => Arc::new(AsPlugin(Arc::clone(p))),
+            PluginInstance::Scorer(p) => Arc::new(AsPlugin(Arc::clone(p))),
+            PluginInstance::Picker(p) => Arc::new(AsPlugin(Arc::clone(p))),
         }
     }
 

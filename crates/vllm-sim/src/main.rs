@@ -30,6 +30,23 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Ctrl-C, or SIGTERM (what `docker stop` sends to a container's first process, which has no
+/// default action for it).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
 /// Port `base + i`, or 0 (any free port) when `base` is 0.
 fn nth_port(base: u16, i: usize) -> std::io::Result<u16> {
     if base == 0 {
@@ -72,7 +89,7 @@ async fn run(config: SimConfig) -> std::io::Result<()> {
         time_scale = config.time_scale,
         "vllm-sim ready; Ctrl-C stops"
     );
-    let _ = tokio::signal::ctrl_c().await;
+    stop_signal().await;
     let _ = stop_tx.send(true);
     for s in servers {
         if let Ok(Err(e)) = s.await {

@@ -213,6 +213,7 @@ impl Plugin for PrefixCacheScorer {
             return;
         }
         metrics::histogram!(t::PREFIX_MATCH_RATIO).record(matched as f64 / hashes.len() as f64);
+        crate::scheduling::profile::decisions::note_prefix(matched, hashes.len());
         let state = backend.state();
         self.index.record(
             backend.id,

@@ -1,0 +1,178 @@
+//! The access log through the real binary: one JSON line per request under the target
+//! `inferlb::access`, and RUST_LOG-style filtering of that target.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::FakeBackend;
+
+const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
+
+struct Running {
+    child: Child,
+    addr: String,
+    lines: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+}
+
+fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
+    let mut child = Command::new(BIN)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--log-level",
+            log_level,
+        ])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+            if tx.send(v).is_err() {
+                break;
+            }
+        }
+    });
+    let addr = loop {
+        let v = lines
+            .blocking_recv()
+            .expect("the binary never announced its address");
+        if let Some(addr) = v["fields"]["main_addr"].as_str() {
+            break addr.to_owned();
+        }
+    };
+    Running { child, addr, lines }
+}
+
+impl Running {
+    /// The next line whose target is `target`, within 10 s, or `None` when `until` comes first.
+    async fn next(&mut self, target: &str, until: &str) -> Option<serde_json::Value> {
+        let wait = async {
+            while let Some(v) = self.lines.recv().await {
+                // An access line under any target counts, so a mis-targeted line is caught.
+                if v["target"] == target || v["fields"]["request_id"].is_string() {
+                    return Some(v);
+                }
+                if v["fields"]["message"] == until {
+                    return None;
+                }
+            }
+            None
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("no `{target}` or `{until}` line within 10 s"))
+    }
+
+    fn stop(mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+/// Several of the prefix scorer's 64-byte blocks long.
+const PROMPT: &str = "hello there, access log: a prompt long enough to fill a few hashed blocks of the prefix index, so that the matched-block count has something to count";
+
+async fn chat(addr: &str, id: &str, model: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .header("x-request-id", id)
+        .json(
+            &serde_json::json!({"model": model, "messages": [{"role": "user", "content": PROMPT}]}),
+        )
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_json_line_per_request_with_its_facts() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    let mut run = tokio::task::block_in_place(|| spawn(&backend, "info"));
+    let resp = chat(&run.addr, "req-ok-1", "m").await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await.unwrap();
+    let line = run.next("inferlb::access", "-").await.unwrap();
+    let f = &line["fields"];
+    assert_eq!(line["level"], "INFO");
+    assert_eq!(f["message"], "request");
+    assert_eq!(f["request_id"], "req-ok-1");
+    assert_eq!(f["model"], "m");
+    assert_eq!(f["backend"], backend.url().as_str());
+    assert_eq!(f["status"], 200);
+    assert_eq!(f["attempts"], 1);
+    assert_eq!(f["completed"], true);
+    let (ttfb, total) = (
+        f["ttfb_ms"].as_f64().unwrap(),
+        f["duration_ms"].as_f64().unwrap(),
+    );
+    assert!(ttfb > 0.0 && ttfb <= total, "{f}");
+    assert!(f["prompt_bytes"].as_u64().unwrap() >= PROMPT.len() as u64);
+    assert!(f["prefix_blocks"].as_u64().unwrap() >= 1, "{f}");
+    assert_eq!(
+        f["prefix_blocks_matched"], 0,
+        "first sight of this prompt: {f}"
+    );
+
+    // The same prompt again: its blocks are now recorded on that backend.
+    let _ = chat(&run.addr, "req-ok-2", "m")
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    let again = run.next("inferlb::access", "-").await.unwrap();
+    assert_eq!(again["fields"]["request_id"], "req-ok-2");
+    assert_eq!(
+        again["fields"]["prefix_blocks_matched"],
+        again["fields"]["prefix_blocks"]
+    );
+
+    // A model nobody serves: 404, no backend, and the client's string is not logged as the model.
+    let resp = chat(&run.addr, "req-404", "made-up-model-name").await;
+    assert_eq!(resp.status(), 404);
+    let _ = resp.bytes().await.unwrap();
+    let miss = run.next("inferlb::access", "-").await.unwrap();
+    let f = &miss["fields"];
+    assert_eq!(f["request_id"], "req-404");
+    assert_eq!(f["status"], 404);
+    assert_eq!(f["backend"], "none");
+    assert_eq!(f["model"], "other");
+    assert_eq!(f["attempts"], 0);
+    run.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_access_target_filters_like_any_other() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    let mut run = tokio::task::block_in_place(|| spawn(&backend, "info,inferlb::access=off"));
+    let _ = chat(&run.addr, "req-quiet", "m")
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    // The shutdown line is written after every access line would have been: none came first.
+    Command::new("kill")
+        .args(["-TERM", &run.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(run
+        .next("inferlb::access", "inferlb stopped")
+        .await
+        .is_none());
+    assert!(run.child.wait().unwrap().success());
+}
