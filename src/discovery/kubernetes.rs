@@ -19,7 +19,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use futures_util::stream::BoxStream;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
@@ -33,6 +33,9 @@ const SOURCE: &str = "kubernetes";
 /// At most this many Pods are tracked; more are ignored and reported (a selector that
 /// matches a whole cluster must not grow the router without bound).
 pub const MAX_PODS: usize = 100_000;
+
+/// At most this many ready events are folded into one set.
+const MAX_BURST: usize = 10_000;
 
 /// Why a Pod is not an endpoint (for the unit tests and debug logs).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -216,6 +219,8 @@ pub struct KubernetesDiscovery {
     failures: u32,
     /// The cap was hit and reported for the current list (report once per list).
     over_cap: bool,
+    /// An error met while folding a burst of events, reported on the next call.
+    pending: Option<DiscoveryError>,
 }
 
 impl KubernetesDiscovery {
@@ -275,6 +280,7 @@ impl KubernetesDiscovery {
             listing: None,
             failures: 0,
             over_cap: false,
+            pending: None,
         })
     }
 
@@ -381,6 +387,33 @@ impl KubernetesDiscovery {
         )))
     }
 
+    /// Apply the events that are ready now (at most [`MAX_BURST`]), without waiting. An error
+    /// among them is kept for the next call, after this set is handed over.
+    fn drain_ready(&mut self) {
+        for _ in 0..MAX_BURST {
+            let Some(events) = self.events.as_mut() else {
+                return;
+            };
+            match events.next().now_or_never() {
+                Some(Some(Ok(event))) => {
+                    if let Err(e) = self.apply(event) {
+                        self.pending = Some(e);
+                        return;
+                    }
+                }
+                Some(Some(Err(e))) => {
+                    self.pending = Some(err(e));
+                    return;
+                }
+                Some(None) => {
+                    self.events = None;
+                    return;
+                }
+                None => return,
+            }
+        }
+    }
+
     fn set(&self) -> Vec<DesiredBackend> {
         self.pods.values().cloned().collect()
     }
@@ -393,6 +426,9 @@ impl Discovery for KubernetesDiscovery {
 
     fn next(&mut self) -> NextSet<'_> {
         Box::pin(async move {
+            if let Some(e) = self.pending.take() {
+                return Err(e);
+            }
             loop {
                 let Some(events) = self.events.as_mut() else {
                     if self.failures > 0 {
@@ -415,8 +451,13 @@ impl Discovery for KubernetesDiscovery {
                 };
                 match events.next().await {
                     Some(Ok(event)) => {
-                        if let Some(set) = self.apply(event)? {
-                            return Ok(set);
+                        if self.apply(event)?.is_some() {
+                            // Fold the events already waiting (a burst: a scaled Deployment,
+                            // a node drained) into this set: one reconcile, not one per pod.
+                            self.drain_ready();
+                            if self.listing.is_none() {
+                                return Ok(self.set());
+                            }
                         }
                     }
                     // The watcher recovers on the next poll, after its back-off.
