@@ -103,7 +103,7 @@ pub async fn run(mut source: Box<dyn Discovery>, pool: Arc<Pool>, mut stop: watc
 pub fn from_config(
     config: &crate::config::Config,
 ) -> Result<Option<Box<dyn Discovery>>, crate::config::ConfigError> {
-    use crate::config::{ConfigError, DiscoverySource};
+    use crate::config::DiscoverySource;
     let d = &config.discovery;
     Ok(match d.source {
         DiscoverySource::Static => None,
@@ -115,14 +115,13 @@ pub fn from_config(
             &d.dns,
             &d.backend_defaults,
         )?)),
-        DiscoverySource::Kubernetes => {
-            return Err(ConfigError::invalid(
-                "discovery.source",
-                "kubernetes discovery is not available in this build",
-            ))
-        }
+        DiscoverySource::Kubernetes => Some(Box::new(kubernetes::KubernetesDiscovery::new(
+            &d.kubernetes,
+            &d.backend_defaults,
+        )?)),
     })
 }
 
 pub mod dns;
 pub mod file;
+pub mod kubernetes;

@@ -1,0 +1,296 @@
+//! Kubernetes discovery through the real binary, against the fake API server in
+//! `tests/fake_kube`: scale-up, scale-down, a pod turning unready or terminating, a watch
+//! that breaks, a `410 Gone` that forces a re-list, and InferencePool mode.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod fake_kube;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fake_kube::{FakeKube, PodServer};
+
+const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
+
+/// The binary, its address, killed when dropped.
+struct Inferlb {
+    child: Child,
+    addr: String,
+    http: reqwest::Client,
+}
+
+impl Drop for Inferlb {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("inferlb-k8s-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Start the binary with `[discovery.kubernetes]` = `k8s_table` (TOML body) and a kubeconfig
+/// pointing at `kube`; returns once it announced its address.
+fn start(kube: &FakeKube, name: &str, k8s_table: &str, poll_ms: u64) -> Inferlb {
+    let dir = temp_dir(name);
+    let kubeconfig = kube.kubeconfig(&dir);
+    let config = dir.join("inferlb.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\n[poller]\ninterval_ms = {poll_ms}\n\
+             [discovery]\nsource = \"kubernetes\"\n[discovery.backend_defaults]\nmodels = [\"m\"]\n\
+             [discovery.kubernetes]\n{k8s_table}\nkubeconfig = \"{}\"\n",
+            kubeconfig.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "--config"])
+        .arg(&config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if let Some(addr) = v["fields"]["main_addr"].as_str() {
+                    let _ = tx.send(addr.to_owned());
+                }
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the binary never announced its address");
+    Inferlb {
+        child,
+        addr,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap(),
+    }
+}
+
+impl Inferlb {
+    async fn backends(&self) -> serde_json::Value {
+        self.http
+            .get(format!("http://{}/admin/backends", self.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// The URLs in `/admin/backends` that are healthy and not draining.
+    async fn serving(&self) -> Vec<String> {
+        let v = self.backends().await;
+        let mut urls: Vec<String> = v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["healthy"] == true && b["draining"] == false)
+            .map(|b| b["url"].as_str().unwrap().to_owned())
+            .collect();
+        urls.sort();
+        urls
+    }
+
+    /// Wait (bounded: 30 s, re-reading every 20 ms) until the serving set is `want`.
+    async fn until_serving(&self, want: &[String]) {
+        let mut want = want.to_vec();
+        want.sort();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            let now = self.serving().await;
+            if now == want {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "serving {now:?}, expected {want:?}"
+            );
+            tick.tick().await;
+        }
+    }
+
+    /// `/admin/backends` has no entry at `url` (not even a draining one).
+    async fn until_absent(&self, url: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            let v = self.backends().await;
+            if !v["backends"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|b| b["url"] == url)
+            {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{url} still listed: {v}"
+            );
+            tick.tick().await;
+        }
+    }
+
+    async fn chat(&self, i: usize) -> (u16, String) {
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": format!("hello {i}")}]});
+        let resp = self
+            .http
+            .post(format!("http://{}/v1/chat/completions", self.addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let backend = resp
+            .headers()
+            .get("x-inferlb-backend")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        (resp.status().as_u16(), backend)
+    }
+}
+
+fn url(p: &PodServer) -> String {
+    format!("http://{}", p.addr)
+}
+
+const APP: &[(&str, &str)] = &[("app", "vllm")];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_pods_by_selector_through_scale_unready_breaks_and_410() {
+    let kube = FakeKube::start("prod").await;
+    let (a, b, c, d) = (
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+    );
+    // Pods listen on their container port named `http` (one IP, ports differ).
+    kube.add_pod("vllm-a", APP, "127.0.0.1", a.addr.port());
+    kube.add_pod("other", &[("app", "web")], "127.0.0.1", d.addr.port());
+    let lb = tokio::task::block_in_place(|| {
+        start(
+            &kube,
+            "selector",
+            "namespace = \"prod\"\nlabel_selector = \"app=vllm\"\nport = \"http\"",
+            20,
+        )
+    });
+    lb.until_serving(&[url(&a)]).await;
+    let v = lb.backends().await;
+    let entry = &v["backends"][0];
+    assert_eq!(entry["source"], "kubernetes", "{v}");
+    assert_eq!(entry["labels"]["pod"], "vllm-a", "{v}");
+    assert_eq!(entry["labels"]["namespace"], "prod", "{v}");
+    let (lists, watches) = (kube.lists(), kube.watches());
+    assert_eq!(lists, 1);
+
+    // Scale-up: a new ready pod joins and receives requests.
+    kube.add_pod("vllm-b", APP, "127.0.0.1", b.addr.port());
+    lb.until_serving(&[url(&a), url(&b)]).await;
+    for i in 0..200 {
+        let (status, _) = lb.chat(i).await;
+        assert_eq!(status, 200);
+        if b.served() > 0 {
+            break;
+        }
+    }
+    assert!(b.served() > 0, "the new pod never received a request");
+
+    // Unready: it leaves; ready again: it is back.
+    kube.set_ready("vllm-b", false);
+    lb.until_serving(&[url(&a)]).await;
+    kube.set_ready("vllm-b", true);
+    lb.until_serving(&[url(&a), url(&b)]).await;
+
+    // Terminating (deletionTimestamp, still Ready): it leaves; then scale-down deletes it.
+    kube.set_terminating("vllm-b");
+    lb.until_absent(&url(&b)).await;
+    kube.delete_pod("vllm-b");
+    lb.until_serving(&[url(&a)]).await;
+    for i in 0..20 {
+        let (status, backend) = lb.chat(i).await;
+        assert_eq!((status, backend.as_str()), (200, url(&a).as_str()));
+    }
+
+    // A broken watch: inferlb watches again from where it was (no re-list) and keeps
+    // following.
+    kube.bookmark();
+    kube.break_watches();
+    kube.until_watches(watches + 1).await;
+    kube.add_pod("vllm-c", APP, "127.0.0.1", c.addr.port());
+    lb.until_serving(&[url(&a), url(&c)]).await;
+    assert_eq!(
+        kube.lists(),
+        lists,
+        "a broken watch resumes without a re-list"
+    );
+
+    // 410 Gone: an update the watch never announced is seen through the re-list.
+    kube.set_ready_unannounced("vllm-a", false);
+    kube.force_gone();
+    kube.until_lists(lists + 1).await;
+    lb.until_serving(&[url(&c)]).await;
+    // And the new watch follows changes again.
+    kube.set_ready("vllm-a", true);
+    kube.delete_pod("vllm-c");
+    lb.until_serving(&[url(&a)]).await;
+    assert_eq!(
+        d.served(),
+        0,
+        "a pod the selector does not match never serves"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_the_pods_an_inference_pool_selects_on_its_target_port() {
+    let kube = FakeKube::start("prod").await;
+    let ips: Vec<String> = (2..5).map(|x| format!("127.0.0.{x}")).collect();
+    let (port, listeners) = fake_kube::same_port(&ips);
+    let pods: Vec<PodServer> = listeners.into_iter().map(PodServer::serve).collect();
+    kube.add_pool("llama", &[("pool", "llama")], port);
+    // Container ports differ from the pool's target port: the pool's port wins.
+    kube.add_pod("llama-0", &[("pool", "llama"), ("app", "vllm")], &ips[0], 1);
+    kube.add_pod("llama-1", &[("pool", "llama")], &ips[1], 1);
+    kube.add_pod("other", APP, &ips[2], 1);
+    let lb = tokio::task::block_in_place(|| {
+        start(
+            &kube,
+            "pool",
+            "namespace = \"prod\"\ninference_pool = \"llama\"",
+            20,
+        )
+    });
+    lb.until_serving(&[url(&pods[0]), url(&pods[1])]).await;
+    let v = lb.backends().await;
+    assert!(
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["labels"]["inference_pool"] == "llama"),
+        "{v}"
+    );
+    kube.delete_pod("llama-0");
+    lb.until_serving(&[url(&pods[1])]).await;
+    for i in 0..10 {
+        assert_eq!(lb.chat(i).await, (200, url(&pods[1])));
+    }
+    assert_eq!(pods[2].served(), 0);
+}
