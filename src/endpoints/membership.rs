@@ -90,8 +90,7 @@ impl Pool {
         let mut removed: Vec<Arc<Backend>> = Vec::new();
         for d in desired {
             if let Some(existing) = by_url.get(d.config.url.as_str()) {
-                if existing.config == d.config && by_name.remove(existing.name.as_str()).is_some()
-                {
+                if existing.config == d.config && by_name.remove(existing.name.as_str()).is_some() {
                     next.push(Arc::clone(existing));
                     kept.insert(existing.name.clone());
                     continue;
