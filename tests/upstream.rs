@@ -163,12 +163,18 @@ async fn closing_backend() -> ClosingBackend {
             opened.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 let mut buf = Vec::new();
+                // Like a server's keep-alive timer, which starts after a response: a connection
+                // that has not answered anything yet is not closed (the close is noticed after
+                // its first answer). Closing a brand-new connection with a request on it would
+                // fail the client's one reconnect too, which no real server does.
+                let mut served = 0u64;
                 loop {
                     let head = tokio::select! {
                         head = read_request(&mut socket, &mut buf) => head,
-                        _ = close.changed() => None,
+                        _ = close.changed(), if served > 0 => None,
                     };
                     let Some(head) = head else { break };
+                    served += 1;
                     let body = if head.starts_with("GET /metrics") {
                         "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n".to_owned()
                     } else if head.starts_with("GET /v1/models") {
