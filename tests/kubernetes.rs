@@ -3,15 +3,14 @@
 //! that breaks, a `410 Gone` that forces a re-list, and InferencePool mode.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
 mod fake_kube;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
+use common::binary::{spawn_with, Running};
 use fake_kube::{FakeKube, PodServer};
-
-const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 
 /// The binary, its address, killed when dropped.
 struct Inferlb {
@@ -49,28 +48,8 @@ fn start(kube: &FakeKube, name: &str, k8s_table: &str, poll_ms: u64) -> Inferlb 
         ),
     )
     .unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "--config"])
-        .arg(&config)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if let Some(addr) = v["fields"]["main_addr"].as_str() {
-                    let _ = tx.send(addr.to_owned());
-                }
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the binary never announced its address");
+    // The shared launcher: JSON logs on a free port, returns once the address is announced.
+    let Running { child, addr, .. } = spawn_with(&["--config", config.to_str().unwrap()]);
     Inferlb {
         child,
         addr,
@@ -83,14 +62,7 @@ fn start(kube: &FakeKube, name: &str, k8s_table: &str, poll_ms: u64) -> Inferlb 
 
 impl Inferlb {
     async fn backends(&self) -> serde_json::Value {
-        self.http
-            .get(format!("http://{}/admin/backends", self.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        common::admin_at(&self.addr).await
     }
 
     /// The URLs in `/admin/backends` that are healthy and not draining.

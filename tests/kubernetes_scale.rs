@@ -2,14 +2,14 @@
 //! process), and a rolling replacement of every pod through the binary while requests flow.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
 mod fake_kube;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::binary::{spawn_with, Running};
 use fake_kube::{FakeKube, PodServer};
 use inferlb::config::{
     BackendDefaults, Config, DiscoverySource, KubernetesDiscoveryConfig, PortRef,
@@ -18,7 +18,6 @@ use inferlb::discovery::kubernetes::KubernetesDiscovery;
 use inferlb::discovery::Discovery;
 use inferlb::endpoints::Pool;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 const APP: &[(&str, &str)] = &[("app", "vllm")];
 
 /// The k-th pod address of generation `g` (1 = first, 2 = its replacement): 127.g.x.y.
@@ -166,28 +165,8 @@ fn start(kube: &FakeKube, port: u16) -> Inferlb {
         ),
     )
     .unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "--config"])
-        .arg(&config)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if let Some(addr) = v["fields"]["main_addr"].as_str() {
-                    let _ = tx.send(addr.to_owned());
-                }
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the binary never announced its address");
+    // The shared launcher: JSON logs on a free port, returns once the address is announced.
+    let Running { child, addr, .. } = spawn_with(&["--config", config.to_str().unwrap()]);
     Inferlb { child, addr }
 }
 
