@@ -38,6 +38,7 @@ pub mod prompt;
 pub mod reload;
 pub mod scheduling;
 pub mod telemetry;
+pub mod tokenization;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -25,12 +25,14 @@ pub mod multipart;
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
+use crate::tokenization::PromptTokens;
 use fields::{invalid_param, Bounded, Numbers, Prompt, PROMPT_SHAPES};
 pub use fields::{ParseLimits, MAX_MESSAGES_CEILING};
 
@@ -78,6 +80,8 @@ pub struct RequestView {
     pub stream: bool,
     /// The rendered prompt, `None` where the operation has no prompt.
     pub routing_text: Option<String>,
+    /// The prompt's token ids when they are known (see [`crate::tokenization`]).
+    pub tokens: Option<Arc<PromptTokens>>,
 }
 
 impl RequestView {
@@ -113,6 +117,7 @@ impl RequestView {
             model: multipart::model_field(body, boundary),
             stream: false,
             routing_text: None,
+            tokens: None,
         }
     }
 }
@@ -296,6 +301,7 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         model: chat.model.map(Cow::into_owned),
         stream: chat.stream.unwrap_or(false),
         routing_text: Some(text),
+        tokens: None,
     })
 }
 
@@ -400,13 +406,18 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         n: req.n,
     }
     .check()?;
+    let mut tokens = None;
     let text = match prompt {
         Prompt::Invalid => return Err(invalid_param("prompt", PROMPT_SHAPES)),
         Prompt::Text(s) => s.into_owned(),
         Prompt::Texts(list) => list.join("\u{1e}"),
-        Prompt::Tokens(tokens) => {
-            let mut out = String::with_capacity(tokens.len() * 6);
-            push_tokens(&tokens, &mut out);
+        Prompt::Tokens(ids) => {
+            let mut out = String::with_capacity(ids.len() * 6);
+            push_tokens(&ids, &mut out);
+            tokens = Some(Arc::new(PromptTokens {
+                ids,
+                cache_salt: None,
+            }));
             out
         }
         Prompt::TokenBatches(batches) => {
@@ -425,6 +436,7 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         model: req.model.map(Cow::into_owned),
         stream: req.stream.unwrap_or(false),
         routing_text: Some(text),
+        tokens,
     })
 }
 
@@ -449,6 +461,7 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         model,
         stream: false,
         routing_text: None,
+        tokens: None,
     })
 }
 
