@@ -3,6 +3,7 @@
 # PORT: the shape of several router replicas behind a Kubernetes Service. Used by
 # bench/replicas.sh through `loadgen compare --router-cmd`; stops everything on SIGTERM.
 # Usage: bench/replica_front.sh N PORT WORKER_URL...
+# EXTRA_CONFIG=FILE appends FILE (a config fragment: a profile, [kv_events], …) to every replica's config.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=$1; PORT=$2; shift 2
@@ -24,6 +25,7 @@ for i in $(seq 1 "$N"); do
     echo "listen = \"127.0.0.1:$p\""
     echo "log_level = \"warn\""
     for w in "$@"; do echo "[[backends]]"; echo "url = \"$w\""; done
+    [ -z "${EXTRA_CONFIG:-}" ] || cat "$EXTRA_CONFIG"
   } > "$DIR/r$i.toml"
   "$BIN" --config "$DIR/r$i.toml" &
   pids+=($!)

@@ -188,6 +188,11 @@ struct RunArgs {
     /// Response header naming the backend that served a request.
     #[arg(long, default_value = "x-inferlb-backend")]
     backend_header: String,
+    /// Write every first-turn request's messages here, one JSON object per line in send order
+    /// (`{"session", "turn", "messages"}`), e.g. to compute a hit-rate bound with the real
+    /// model's tokenizer. Later turns carry the server's answers and are left out.
+    #[arg(long, value_name = "PATH")]
+    dump_requests: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -337,10 +342,13 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         &std::env::current_exe().into_iter().collect::<Vec<_>>(),
         &[],
     );
-    let out = runner::run(cfg, workload)
+    let out = runner::run(cfg, Arc::clone(&workload))
         .await
         .map_err(|e| e.to_string())?;
     print!("{}", out.summary.render());
+    if let Some(path) = &a.dump_requests {
+        dump_requests(path, &workload, &out.sent)?;
+    }
     if let Some(path) = &a.json {
         let mut json = serde_json::to_value(&out.summary).map_err(|e| e.to_string())?;
         if let Some(o) = json.as_object_mut() {
@@ -353,6 +361,26 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     Ok(())
+}
+
+fn dump_requests(
+    path: &std::path::Path,
+    workload: &Workload,
+    sent: &[(u64, u32)],
+) -> Result<(), String> {
+    let mut text = String::new();
+    for &(session, turn) in sent.iter().filter(|(_, turn)| *turn == 0) {
+        let messages: Vec<serde_json::Value> = workload
+            .session(session)
+            .messages(0, &[])
+            .iter()
+            .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
+            .collect();
+        let line = serde_json::json!({ "session": session, "turn": turn, "messages": messages });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn secs(s: f64) -> Duration {

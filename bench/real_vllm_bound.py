@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""The table of bench/real_vllm.sh, with the workload's block-granular hit-rate bound computed
+from vLLM's own tokenization.
+
+Usage: real_vllm_bound.py OUT_DIR VLLM_URL ZIPF SEED GROUPS RATE POLICY...
+
+OUT_DIR holds, per policy, loadgen's summary (POLICY.json), the requests it sent
+(POLICY.requests.jsonl, from `loadgen run --dump-requests`) and each server's /metrics page before
+and after the run (POLICY.before.*, POLICY.after.*).
+
+The bound: every request's prompt is tokenized by the server (POST /tokenize with the chat
+messages, add_generation_prompt as vLLM's chat API does) and cut into 128-token blocks. A request
+can be served from cache for at most the leading full blocks some earlier request of the run
+already had (each group's shared blocks miss once; an unbounded cache), and never for its last
+token (vLLM always computes at least one). max = sum of those tokens / sum of prompt tokens.
+"""
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+BLOCK = 128
+
+
+def metric_sum(path, name):
+    total = 0.0
+    with open(path) as f:
+        for line in f:
+            if line.startswith(name) and (line[len(name)] in "{ "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def tokenize(url, model, messages):
+    body = json.dumps({"model": model, "messages": messages, "add_generation_prompt": True}).encode()
+    req = urllib.request.Request(url + "/tokenize", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)["tokens"]
+
+
+def bound(url, requests_path):
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    seen = set()
+    hit = total = 0
+    for line in open(requests_path):
+        ids = tokenize(url, model, json.loads(line)["messages"])
+        total += len(ids)
+        cap = (len(ids) - 1) // BLOCK
+        chains = [tuple(ids[: (i + 1) * BLOCK]) for i in range(len(ids) // BLOCK)]
+        n = 0
+        while n < min(cap, len(chains)) and chains[n] in seen:
+            n += 1
+        hit += n * BLOCK
+        seen.update(chains)
+    return hit / total if total else 0.0, total
+
+
+def main():
+    out, url, zipf, seed, groups, rate = sys.argv[1:7]
+    policies = sys.argv[7:]
+    max_rate, tokens = bound(url, os.path.join(out, policies[0] + ".requests.jsonl"))
+    cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
+    shape = "uniform" if float(zipf) == 0 else f"Zipf {zipf}"
+    lines = [
+        f"# Routing policies on two real vLLM 0.32 servers (CPU build, tiny random-weight model): shared prefixes, {shape}",
+        "",
+        f"- command: `ZIPF={zipf} SEED={seed} bench/real_vllm.sh \"{' '.join(policies)}\"` (BLOCKS=64: 64 KV blocks of 128 tokens per server; KV events on; both caches reset (POST /reset_prefix_cache) before each policy)",
+        f"- machine: nproc {os.cpu_count()}, CPU {cpu}; load average at the end {os.getloadavg()[0]:.1f}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        open(os.path.join(out, "provenance.md")).read().rstrip("\n"),
+        f"- workload: shared-prefix, {groups} groups × 4 prompts, system 300 / question 30 / output 8 loadgen tokens, Zipf {zipf}, Poisson {rate} req/s, seed {seed}",
+        f"- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers (vLLM's own counters)",
+        f"- max: {max_rate:.3f}, the block-granular bound from vLLM's own tokenization ({tokens} prompt tokens; bench/real_vllm_bound.py)",
+        "- busiest: the larger server's share of Δvllm:prompt_tokens_total",
+        "",
+        "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit / max | busiest server (prompt tokens) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in policies:
+        s = json.load(open(os.path.join(out, p + ".json")))
+        hits = queries = 0.0
+        prompt = []
+        for before in sorted(glob.glob(os.path.join(out, p + ".before.*"))):
+            after = before.replace(".before.", ".after.")
+            hits += metric_sum(after, "vllm:prefix_cache_hits_total") - metric_sum(before, "vllm:prefix_cache_hits_total")
+            queries += metric_sum(after, "vllm:prefix_cache_queries_total") - metric_sum(before, "vllm:prefix_cache_queries_total")
+            prompt.append(metric_sum(after, "vllm:prompt_tokens_total") - metric_sum(before, "vllm:prompt_tokens_total"))
+        rate_ = hits / queries if queries else 0.0
+        busiest = max(prompt) / sum(prompt) if sum(prompt) else 0.0
+        lines.append(
+            f"| {p} | {s['ok']}/{s['requests']} | {s['ttft']['p50']*1000:.0f} ms | {s['ttft']['p90']*1000:.0f} ms | "
+            f"{s['e2e']['p90']*1000:.0f} ms | {rate_:.3f} | {rate_ / max_rate if max_rate else 0:.3f} | {busiest*100:.0f} % | {json.dumps(s['errors'])} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    suffix = "" if float(zipf) == 0 else "-zipf"
+    path = f"bench/results/real-vllm-{datetime.date.today().isoformat()}{suffix}.md"
+    open(path, "w").write(text)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
