@@ -81,6 +81,35 @@ pub struct Config {
     pub profile: Option<String>,
     /// The status page, recent decisions and the explain header.
     pub admin: AdminConfig,
+    /// Hugging Face tokenizers: the token ids vLLM will compute, per model.
+    pub tokenization: TokenizationConfig,
+}
+
+/// `[tokenization]`: which models get in-process tokenization (chat template + tokenizer).
+///
+/// Per model name, not per backend: a model name stands for one tokenizer (backends that
+/// serve the same name with different tokenizers would not share a prefix cache anyway).
+/// Loaded once at start-up; a reload does not reload tokenizers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizationConfig {
+    /// Model directory (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`)
+    /// for every model without its own entry in `models` (`--tokenizer DIR`).
+    pub dir: Option<std::path::PathBuf>,
+    /// Served model name → model directory.
+    pub models: BTreeMap<String, std::path::PathBuf>,
+    /// Token ids kept by each tokenizer's prefix cache (0 = no cache).
+    pub prefix_cache_tokens: u64,
+}
+
+impl Default for TokenizationConfig {
+    fn default() -> Self {
+        TokenizationConfig {
+            dir: None,
+            models: BTreeMap::new(),
+            prefix_cache_tokens: 4_000_000,
+        }
+    }
 }
 
 /// `[admin]`: what `/admin`, `/admin/decisions` and `x-inferlb-explain` keep and show.
@@ -128,6 +157,7 @@ impl Default for Config {
             scheduling_profiles: Vec::new(),
             profile: None,
             admin: AdminConfig::default(),
+            tokenization: TokenizationConfig::default(),
         }
     }
 }

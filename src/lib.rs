@@ -14,6 +14,9 @@
 //!   deterministic *routing text* rendered from the messages or prompt, checking the fields it
 //!   reads on the way (`prompt::fields`); multipart audio forms yield their `model` field only
 //!   (`prompt::multipart`).
+//! * [`tokenization`] — for models with a Hugging Face tokenizer configured, the prompt's token
+//!   ids as vLLM computes them (chat template + tokenizer, crate `hf-tokenize`), with a prefix
+//!   cache of repeated system prompts and turns; fills `RequestView.tokens`.
 //! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
 //!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
 //!   let the prefix scorer remember where each prompt went.
@@ -61,6 +64,8 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Tokenizer(#[from] tokenization::LoadError),
 }
 
 /// The sockets the router serves on. `admin` carries `/metrics` and `/admin/*` when set;
@@ -158,6 +163,7 @@ pub async fn run_reloadable(
             front_door::auth::Auth::from_config(&config.auth)?,
         )),
         decisions,
+        tokenizers: Arc::new(tokenization::Tokenizers::load(&config.tokenization)?),
     });
     let live = reload::Live {
         state: Arc::clone(&state),

@@ -45,6 +45,10 @@ struct Cli {
     /// Largest accepted request body in bytes (overrides `max_body_bytes`).
     #[arg(long)]
     max_body_bytes: Option<usize>,
+    /// Hugging Face model directory whose tokenizer and chat template give every model's
+    /// token ids (overrides `tokenization.dir`).
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
     /// Validate the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -86,6 +90,9 @@ impl Cli {
         }
         if let Some(v) = self.max_body_bytes {
             config.max_body_bytes = v;
+        }
+        if let Some(v) = self.tokenizer {
+            config.tokenization.dir = Some(v);
         }
         Ok(config)
     }

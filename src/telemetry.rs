@@ -38,6 +38,7 @@ pub const BACKEND_SCRAPE_DURATION: &str = "inferlb_backend_scrape_duration_secon
 pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
 pub const CONFIG_RELOADS: &str = "inferlb_config_reloads_total";
 pub const DISCOVERY_ERRORS: &str = "inferlb_discovery_errors_total";
+pub const TOKENIZE_SKIPPED_TOTAL: &str = "inferlb_tokenize_skipped_total";
 pub const BACKENDS: &str = "inferlb_backends";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
@@ -66,6 +67,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
     (CONFIG_RELOADS, "Configuration reloads (SIGHUP or a change of the --config file), by result (ok, error)."),
     (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
+    (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer)."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
     (QUEUE_WAIT, "Time requests waited in the router's queue before being dispatched or refused."),

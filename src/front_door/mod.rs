@@ -48,6 +48,8 @@ pub struct AppState {
     pub auth: Arc<ArcSwap<auth::Auth>>,
     /// Recent scheduling decisions (`/admin/decisions`, the status page).
     pub decisions: Arc<DecisionLog>,
+    /// Model → Hugging Face tokenizer (loaded at start-up; empty when none is configured).
+    pub tokenizers: Arc<crate::tokenization::Tokenizers>,
 }
 
 /// Request header asking for the decision summary (`1`); honoured with `admin.explain` or
@@ -252,10 +254,15 @@ async fn forward(
     let limits = crate::prompt::ParseLimits {
         max_messages: config.limits.max_messages,
     };
-    let view = match form_boundary {
+    let mut view = match form_boundary {
         Some(boundary) => RequestView::multipart(&body, boundary),
         None => RequestView::parse_with(operation, &body, &limits)?,
     };
+    // The prompt stage's second half: token ids, for models with a tokenizer (the body limit
+    // bounds the work; a model without one costs a map lookup).
+    if form_boundary.is_none() {
+        app.tokenizers.fill(&mut view, &body);
+    }
     let request_id = parts
         .headers
         .get("x-request-id")

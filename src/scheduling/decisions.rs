@@ -43,6 +43,10 @@ pub struct DecisionRecord {
     pub prompt_bytes: usize,
     /// XXH3-64 of the routing text, hex: equal prompts have equal hashes.
     pub prompt_hash: Option<String>,
+    /// Number of prompt token ids the scheduler saw (`None`: routed without tokens).
+    pub prompt_tokens: Option<usize>,
+    /// XXH3-64 of the token ids (little-endian u32), hex: equal ids have equal hashes.
+    pub prompt_tokens_hash: Option<String>,
     /// Scorer instance names and weights, in the order of each candidate's `scores`.
     pub scorers: Vec<ScorerWeight>,
     /// Candidates left after the filters, best total first.
@@ -183,6 +187,11 @@ impl DecisionLog {
                 .map(|m| truncate(m, 128).to_owned()),
             prompt_bytes: text.map_or(0, str::len),
             prompt_hash: text.map(|t| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(t.as_bytes()))),
+            prompt_tokens: request.tokens.as_ref().map(|t| t.ids.len()),
+            prompt_tokens_hash: request.tokens.as_ref().map(|t| {
+                let bytes: Vec<u8> = t.ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+                format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
+            }),
             scorers: scorers
                 .iter()
                 .map(|(name, weight)| ScorerWeight {
@@ -285,13 +294,16 @@ pub fn note_prefix(matched: usize, blocks: usize) {
     });
 }
 
-/// The explain header's value: `seq=…; profile=…; winner=URL; URL total=… name=score …, …`,
+/// The explain header's value: `seq=…; profile=…; winner=URL[; prompt_tokens=N]; URL total=… name=score …, …`,
 /// visible ASCII only, at most `max` bytes (cut at a candidate boundary, marked `…more`).
 pub fn summary(record: &DecisionRecord, picks: u32, max: usize) -> String {
     let mut out = format!(
         "seq={}; profile={}; decisions={}; winner={}",
         record.seq, record.profile, picks, record.winner
     );
+    if let Some(n) = record.prompt_tokens {
+        out.push_str(&format!("; prompt_tokens={n}"));
+    }
     for c in &record.candidates {
         let mut part = format!("; {} total={:.3}", c.backend, c.total);
         for (s, score) in record.scorers.iter().zip(&c.scores) {
@@ -319,6 +331,8 @@ mod tests {
             profile: "default".into(),
             model: None,
             prompt_bytes: 3,
+            prompt_tokens: None,
+            prompt_tokens_hash: None,
             prompt_hash: None,
             scorers: vec![ScorerWeight {
                 name: "queue-scorer".into(),

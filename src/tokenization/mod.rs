@@ -1,9 +1,31 @@
 //! Tokenization: the token ids vLLM will compute for a request, so the scheduler can match
 //! them against the token blocks backends report as cached (see `kv_events`).
 //!
-//! Today only token-id prompts (`/v1/completions` with `"prompt": [ids]`) carry tokens: vLLM
-//! uses them as they are. Text prompts and chat messages get tokens once a model's Hugging
-//! Face tokenizer and chat template are loaded.
+//! Token-id prompts (`/v1/completions` with `"prompt": [ids]`) carry their tokens as given (vLLM
+//! uses them as they are; filled by [`crate::prompt`]). Text prompts and chat messages get
+//! tokens here, in the prompt stage of the request path (the front door calls [`Tokenizers::fill`]
+//! right after parsing), when the request's model has a Hugging Face tokenizer configured
+//! (`[tokenization]` in config.toml, `--tokenizer DIR`). The tokenizers are loaded once at
+//! start-up; a model without one costs nothing.
+//!
+//! Cost: rendering + BPE is linear in the prompt (the body limit bounds it). The common case —
+//! the same system prompt and earlier turns again with a new last message — reuses the ids of
+//! the longest prefix seen before ([`prefix_cache`]), cut only where concatenating ids is exact.
+//! A request whose ids cannot be computed (multimodal parts, a template error that vLLM would
+//! answer with a 400) is routed without tokens, as before.
+
+pub mod prefix_cache;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use hf_tokenize::{ChatRequest, HfTokenizer, TokenizeError};
+use serde::Deserialize;
+
+use crate::config::TokenizationConfig;
+use crate::prompt::{Operation, RequestView};
+use prefix_cache::PrefixCache;
 
 /// The token ids of one request's prompt, as the engine will see them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -12,4 +34,149 @@ pub struct PromptTokens {
     pub ids: Vec<u32>,
     /// The request's `cache_salt`, which vLLM mixes into the first block's hash.
     pub cache_salt: Option<String>,
+}
+
+/// Why the tokenizers named in the configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("tokenizer {dir}: {source}")]
+pub struct LoadError {
+    pub dir: PathBuf,
+    #[source]
+    pub source: hf_tokenize::LoadError,
+}
+
+/// One model's tokenizer with its prefix cache.
+pub struct ModelTokenizer {
+    tok: HfTokenizer,
+    cache: PrefixCache,
+}
+
+/// Model name → tokenizer, with a default for every other model.
+#[derive(Default)]
+pub struct Tokenizers {
+    default: Option<Arc<ModelTokenizer>>,
+    by_model: BTreeMap<String, Arc<ModelTokenizer>>,
+}
+
+impl std::fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizers")
+            .field("default", &self.default.is_some())
+            .field("models", &self.by_model.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Tokenizers {
+    /// Load every directory the configuration names (a directory named twice is loaded once).
+    pub fn load(cfg: &TokenizationConfig) -> Result<Tokenizers, LoadError> {
+        let mut loaded: BTreeMap<PathBuf, Arc<ModelTokenizer>> = BTreeMap::new();
+        let mut get = |dir: &Path| -> Result<Arc<ModelTokenizer>, LoadError> {
+            if let Some(t) = loaded.get(dir) {
+                return Ok(Arc::clone(t));
+            }
+            let tok = HfTokenizer::from_dir(dir).map_err(|source| LoadError {
+                dir: dir.to_owned(),
+                source,
+            })?;
+            let t = Arc::new(ModelTokenizer {
+                tok,
+                cache: PrefixCache::new(cfg.prefix_cache_tokens),
+            });
+            loaded.insert(dir.to_owned(), Arc::clone(&t));
+            Ok(t)
+        };
+        let default = cfg.dir.as_deref().map(&mut get).transpose()?;
+        let mut by_model = BTreeMap::new();
+        for (model, dir) in &cfg.models {
+            by_model.insert(model.clone(), get(dir)?);
+        }
+        Ok(Tokenizers { default, by_model })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.default.is_none() && self.by_model.is_empty()
+    }
+
+    fn for_model(&self, model: Option<&str>) -> Option<&Arc<ModelTokenizer>> {
+        model
+            .and_then(|m| self.by_model.get(m))
+            .or(self.default.as_ref())
+    }
+
+    /// Fill `view.tokens` for a chat or text-completions request whose model has a tokenizer,
+    /// and the `cache_salt` of any request that has tokens.
+    pub fn fill(&self, view: &mut RequestView, body: &[u8]) {
+        if self.is_empty() {
+            return;
+        }
+        let Some(t) = self.for_model(view.model.as_deref()) else {
+            return;
+        };
+        let ids = match (view.operation, &view.tokens) {
+            (Operation::ChatCompletions, _) => t.chat_ids(body),
+            (Operation::Completions, None) => t.tok.completion_ids(body),
+            // Token-id prompts: already known.
+            (Operation::Completions, Some(_)) => Err(TokenizeError::Unsupported("token ids")),
+            (Operation::Other, _) => return,
+        };
+        let salt = cache_salt(body);
+        match ids {
+            Ok(ids) => {
+                view.tokens = Some(Arc::new(PromptTokens {
+                    ids,
+                    cache_salt: salt,
+                }))
+            }
+            Err(TokenizeError::Unsupported("token ids")) => {
+                if let (Some(tokens), Some(salt)) = (&view.tokens, salt) {
+                    let mut with_salt = PromptTokens::clone(tokens);
+                    with_salt.cache_salt = Some(salt);
+                    view.tokens = Some(Arc::new(with_salt));
+                }
+            }
+            Err(e) => {
+                let reason = match e {
+                    TokenizeError::Unsupported(_) => "unsupported",
+                    TokenizeError::InvalidRequest(_) => "invalid",
+                    TokenizeError::NoChatTemplate => "no_chat_template",
+                    TokenizeError::Template(_) => "template",
+                    TokenizeError::Tokenizer(_) => "tokenizer",
+                };
+                metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => reason)
+                    .increment(1);
+                tracing::debug!(error = %e, "request routed without token ids");
+            }
+        }
+    }
+}
+
+impl ModelTokenizer {
+    /// A chat body's ids, reusing the cached ids of its longest known prefix.
+    pub fn chat_ids(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+        let req = ChatRequest::from_body(body)?;
+        let text = self.tok.render_chat(&req)?;
+        match self.tok.safe_cuts(&text) {
+            Some(cuts) if !cuts.is_empty() => self.cache.encode(&self.tok, &text, &cuts),
+            _ => self.tok.encode(&text, false),
+        }
+    }
+
+    pub fn tokenizer(&self) -> &HfTokenizer {
+        &self.tok
+    }
+}
+
+#[derive(Deserialize)]
+struct Salt<'a> {
+    #[serde(borrow, default)]
+    cache_salt: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// The body's `cache_salt` (a string; anything else is ignored here and judged by vLLM).
+fn cache_salt(body: &[u8]) -> Option<String> {
+    serde_json::from_slice::<Salt<'_>>(body)
+        .ok()?
+        .cache_salt
+        .map(|s| s.into_owned())
 }

@@ -111,6 +111,11 @@ pub struct SimConfig {
     /// Start N simulators on consecutive ports from --port and print their URLs.
     #[arg(long, default_value_t = 1)]
     pub fleet: usize,
+    /// Hugging Face model directory (`tokenizer.json`, `tokenizer_config.json`,
+    /// `chat_template.jinja`): tokenize chat and text prompts with it, as vLLM does, instead
+    /// of the built-in stand-in tokenizer.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -144,6 +149,7 @@ impl Default for SimConfig {
             refuse_after: None,
             admin_port: None,
             fleet: 1,
+            tokenizer: None,
         }
     }
 }

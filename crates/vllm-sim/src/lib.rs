@@ -76,6 +76,13 @@ impl Sim {
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let names = config.model_names();
+        let hf = match &config.tokenizer {
+            Some(dir) => Some(std::sync::Arc::new(
+                hf_tokenize::HfTokenizer::from_dir(dir)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?,
+            )),
+            None => None,
+        };
         let faults = Faults::new();
         faults.set_fail_rate(config.fail_rate);
         faults.set_metrics_delay(Duration::from_millis(config.metrics_delay_ms));
@@ -121,6 +128,7 @@ impl Sim {
             faults,
             page_info,
             addr,
+            hf,
         });
         Ok(Self {
             state,

@@ -156,7 +156,16 @@ fn tokens_of(st: &AppState, req: TokenizeRequest) -> Result<(Option<String>, Vec
 }
 
 pub async fn tokenize(State(st): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let (_, tokens) = tokens_of(&st, parse_json(&body)?)?;
+    let req: TokenizeRequest = parse_json(&body)?;
+    let tokens = match (&st.hf, &req.messages, &req.prompt) {
+        (Some(hf), Some(_), _) => hf
+            .chat_ids(&body)
+            .map_err(|e| ApiError::bad(e.to_string()))?,
+        (Some(hf), None, Some(PromptInput::Text(_))) => hf
+            .completion_ids(&body)
+            .map_err(|e| ApiError::bad(e.to_string()))?,
+        _ => tokens_of(&st, req)?.1,
+    };
     Ok(Json(json!({
         "count": tokens.len(), "max_model_len": st.config.max_model_len,
         "tokens": tokens, "token_strs": null,

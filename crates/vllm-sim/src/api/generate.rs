@@ -60,14 +60,14 @@ struct Ctx {
 pub async fn completions(State(st): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     admit(&st)?;
     let req = parse_json(&body)?;
-    let p = openai::prepare_completion(&st, req)?;
+    let p = openai::prepare_completion(&st, req, &body)?;
     run(&st, p, Kind::Completion).await
 }
 
 pub async fn chat(State(st): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     admit(&st)?;
     let req = parse_json(&body)?;
-    let p = openai::prepare_chat(&st, req)?;
+    let p = openai::prepare_chat(&st, req, &body)?;
     run(&st, p, Kind::Chat).await
 }
 

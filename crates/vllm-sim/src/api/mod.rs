@@ -34,6 +34,8 @@ pub struct Inner {
     pub faults: Faults,
     pub page_info: PageInfo,
     pub addr: SocketAddr,
+    /// `--tokenizer DIR`: the real tokenizer, replacing the stand-in for prompts.
+    pub hf: Option<Arc<hf_tokenize::HfTokenizer>>,
 }
 
 impl std::ops::Deref for AppState {

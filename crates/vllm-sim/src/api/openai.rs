@@ -203,6 +203,17 @@ pub fn prompt_tokens(prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
     Ok(tokens)
 }
 
+/// `--tokenizer`: the real tokenizer's ids, or the 400 vLLM would answer.
+pub fn hf_prompt_tokens(
+    ids: Result<Vec<u32>, hf_tokenize::TokenizeError>,
+) -> Result<Vec<u32>, ApiError> {
+    let tokens = ids.map_err(|e| ApiError::bad(e.to_string()))?;
+    if tokens.is_empty() {
+        return Err(ApiError::bad("You must pass at least one prompt"));
+    }
+    Ok(tokens)
+}
+
 /// Renders chat messages (content strings, text parts, image placeholders) to template text.
 pub fn render_messages(
     messages: Vec<Message>,
@@ -303,7 +314,11 @@ fn finish(
 }
 
 /// Validates a `/v1/completions` body.
-pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepared, ApiError> {
+pub fn prepare_completion(
+    st: &AppState,
+    req: CompletionRequest,
+    body: &[u8],
+) -> Result<Prepared, ApiError> {
     let model = resolve_model(st, req.model.as_deref())?;
     check_n(req.n)?;
     let Some(prompt) = req.prompt else {
@@ -312,7 +327,12 @@ pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepa
             "prompt",
         ));
     };
-    let tokens = prompt_tokens(prompt)?;
+    let tokens = match (&st.hf, &prompt) {
+        (Some(hf), PromptInput::Text(_) | PromptInput::Texts(_)) => {
+            hf_prompt_tokens(hf.completion_ids(body))?
+        }
+        _ => prompt_tokens(prompt)?,
+    };
     let default = |room: usize| DEFAULT_COMPLETION_TOKENS.min(room as u32);
     finish(
         st,
@@ -326,11 +346,16 @@ pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepa
 }
 
 /// Validates a `/v1/chat/completions` body.
-pub fn prepare_chat(st: &AppState, req: ChatRequest) -> Result<Prepared, ApiError> {
+pub fn prepare_chat(st: &AppState, req: ChatRequest, body: &[u8]) -> Result<Prepared, ApiError> {
     let model = resolve_model(st, req.model.as_deref())?;
     check_n(req.n)?;
-    let text = render_messages(req.messages, req.add_generation_prompt.unwrap_or(true))?;
-    let tokens = tokenizer::tokenize(&text);
+    let tokens = match &st.hf {
+        Some(hf) => hf_prompt_tokens(hf.chat_ids(body))?,
+        None => {
+            let text = render_messages(req.messages, req.add_generation_prompt.unwrap_or(true))?;
+            tokenizer::tokenize(&text)
+        }
+    };
     if tokens.is_empty() {
         return Err(ApiError::bad_param(
             "messages render to an empty prompt",

@@ -1,0 +1,165 @@
+//! In-process tokenization through the real binary: with `--tokenizer tests/fixtures/tiny-llama`
+//! the scheduler sees the token ids vLLM would compute — here checked against a `vllm-sim`
+//! started with the same tokenizer (its `/tokenize` and engine use `hf-tokenize` too) and
+//! against the crate directly, through the explain header and `/admin/decisions`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::binary::spawn_with;
+use serde_json::{json, Value};
+use vllm_sim::SimConfig;
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama");
+
+fn tokens_hash(ids: &[u64]) -> String {
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&id| u32::try_from(id).unwrap().to_le_bytes())
+        .collect();
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
+}
+
+/// `POST url` with `body` and the explain header, retried (bounded) until the router has a
+/// healthy backend and answers 200.
+async fn post_explained(url: &str, body: &Value) -> reqwest::Response {
+    let client = common::client();
+    for _ in 0..100 {
+        let resp = client
+            .post(url)
+            .header("x-inferlb-explain", "1")
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        if resp.status() == 200 {
+            return resp;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no 200 from {url} within 10 s");
+}
+
+fn prompt_tokens(resp: &reqwest::Response) -> Option<usize> {
+    let header = resp.headers()["x-inferlb-decision"].to_str().unwrap();
+    header
+        .split("; ")
+        .find_map(|kv| kv.strip_prefix("prompt_tokens="))
+        .map(|n| n.parse().unwrap())
+}
+
+#[tokio::test]
+async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
+    let sim = vllm_sim::spawn(SimConfig {
+        port: 0,
+        model: "tiny-llama".into(),
+        tokenizer: Some(FIXTURE.into()),
+        instant: true,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("inferlb-tok-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, "[admin]\nexplain = true\ndecisions = 8\n").unwrap();
+    let backend = sim.url();
+    let router = spawn_with(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--backend",
+        &backend,
+        "--tokenizer",
+        FIXTURE,
+        "--poll-interval-ms",
+        "100",
+    ]);
+    let base = format!("http://{}", router.addr);
+    let client = common::client();
+    // Start the decision ring (it records only once someone reads it).
+    client
+        .get(format!("{base}/admin/decisions"))
+        .send()
+        .await
+        .unwrap();
+
+    let chat = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [
+        {"role": "system", "content": "you are a router of the load"},
+        {"role": "user", "content": "what is the prefix cache"},
+        {"role": "assistant", "content": "a cache of token blocks"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "text", "text": "the model?"}]}]});
+    let completion = json!({"model": "tiny-llama", "max_tokens": 1, "prompt": "hello world, the server of the model cache prefix tokens"});
+    let tok = hf_tokenize::HfTokenizer::from_dir(std::path::Path::new(FIXTURE)).unwrap();
+    for (path, body, want) in [
+        (
+            "/v1/chat/completions",
+            &chat,
+            tok.chat_ids(chat.to_string().as_bytes()).unwrap(),
+        ),
+        (
+            "/v1/completions",
+            &completion,
+            tok.completion_ids(completion.to_string().as_bytes())
+                .unwrap(),
+        ),
+    ] {
+        // What the simulator (vLLM's stand-in, same tokenizer) computes for this body.
+        let sim_ids: Value = client
+            .post(format!("{backend}/tokenize"))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let sim_ids: Vec<u64> = serde_json::from_value(sim_ids["tokens"].clone()).unwrap();
+        let want: Vec<u64> = want.into_iter().map(u64::from).collect();
+        assert_eq!(
+            sim_ids, want,
+            "{path}: the simulator tokenizes as the crate does"
+        );
+        assert!(want.len() > 8, "{path}: {want:?}");
+
+        let resp = post_explained(&format!("{base}{path}"), body).await;
+        assert_eq!(
+            prompt_tokens(&resp),
+            Some(want.len()),
+            "{path}: explain header"
+        );
+        let decisions: Value = client
+            .get(format!("{base}/admin/decisions?n=1"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let newest = &decisions["decisions"][0];
+        assert_eq!(newest["prompt_tokens"], want.len(), "{path}: {newest}");
+        assert_eq!(
+            newest["prompt_tokens_hash"],
+            tokens_hash(&want),
+            "{path}: {newest}"
+        );
+    }
+
+    // A multimodal part cannot be tokenized here: routed without tokens, still served.
+    let image = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}]});
+    let resp = client
+        .post(format!("{base}/v1/chat/completions"))
+        .header("x-inferlb-explain", "1")
+        .json(&image)
+        .send()
+        .await
+        .unwrap();
+    if resp.headers().contains_key("x-inferlb-decision") {
+        assert_eq!(prompt_tokens(&resp), None);
+    }
+    router.signal("-TERM");
+    router.exit().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
