@@ -321,20 +321,20 @@ impl Task {
                 buf.pop_front();
             }
         }
-        self.received += 1;
-        if self.stall.after == Some(self.received) {
-            let ms = (self.stall.ms > 0).then_some(Duration::from_millis(self.stall.ms));
-            self.faults.stall_kv_events(ms);
-        }
         if self.stalled() {
             if self.pending.len() < self.hwm {
                 self.pending.push_back((seq, payload));
             } else {
                 self.stats.overflowed.fetch_add(1, Ordering::Relaxed);
             }
-            return;
+        } else {
+            self.send(seq, payload).await;
         }
-        self.send(seq, payload).await;
+        self.received += 1;
+        if self.stall.after == Some(self.received) {
+            let ms = (self.stall.ms > 0).then_some(Duration::from_millis(self.stall.ms));
+            self.faults.stall_kv_events(ms);
+        }
     }
 
     /// Sends what a stall held back, unless still stalled.
