@@ -447,4 +447,36 @@ mod tests {
         assert!(!*f.refuse_watch().borrow());
         assert_eq!(f.admit_request(), Admission::Serve, "re-armed");
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn kv_stall_resumes_by_itself_unless_stalled_again() {
+        let f = Faults::new();
+        let p: FaultPatch = serde_json::from_str(
+            r#"{"kv_events_stall":true,"kv_events_stall_for_ms":100,"kv_events_drop_rate":0.5}"#,
+        )
+        .unwrap();
+        f.apply(&p);
+        assert!(f.snapshot().kv_events_stalled);
+        assert_eq!(f.snapshot().kv_events_drop_rate, 0.5);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!f.snapshot().kv_events_stalled, "resumed after 100 ms");
+        f.stall_kv_events(Some(Duration::from_millis(100)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        f.stall_kv_events(None);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            f.snapshot().kv_events_stalled,
+            "the first timer does not end the second stall"
+        );
+        f.apply(&FaultPatch {
+            reset: true,
+            ..FaultPatch::default()
+        });
+        assert!(!f.snapshot().kv_events_stalled);
+        assert_eq!(f.kv_drop_rate(), 0.0);
+        f.set_kv_drop_rate(1.0);
+        assert!((0..50).all(|_| f.kv_should_drop()));
+        let restart: FaultPatch = serde_json::from_str(r#"{"kv_events_restart":true}"#).unwrap();
+        assert!(restart.kv_events_restart);
+    }
 }
