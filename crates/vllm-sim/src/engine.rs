@@ -41,9 +41,12 @@ const MAX_LAG: Duration = Duration::from_millis(50);
 pub struct Submission {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
-    /// Seeds the block-hash chain: LoRA adapters never share cache with the base model.
+    /// Seeds the block-hash chain: LoRA adapters and cache salts never share cache with the
+    /// base model or each other.
     pub hash_seed: u64,
     pub lora: Option<u16>,
+    /// `cache_salt` of the request (reported in the first block's KV-event `extra_keys`).
+    pub cache_salt: Option<String>,
 }
 
 enum Msg {
@@ -198,7 +201,7 @@ impl EngineHandle {
     pub fn submit(&self, sub: Submission) -> (RequestGuard, mpsc::UnboundedReceiver<TokenEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq::new(
+        let mut seq = Seq::new(
             id,
             sub.tokens,
             sub.max_tokens,
@@ -207,6 +210,7 @@ impl EngineHandle {
             tx,
             Instant::now(),
         );
+        seq.cache_salt = sub.cache_salt;
         // If the engine is gone the receiver closes at once and the handler reports an error.
         let _ = self.tx.send(Msg::Add(Box::new(seq)));
         (

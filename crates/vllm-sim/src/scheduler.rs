@@ -95,6 +95,8 @@ pub struct Seq {
     hashes: Vec<u64>,
     hash_seed: u64,
     pub lora: Option<u16>,
+    /// The request's `cache_salt` (already mixed into `hash_seed`), for the KV events.
+    pub cache_salt: Option<String>,
     pub events: mpsc::UnboundedSender<TokenEvent>,
     pub times: SeqTimes,
     pub preemptions: u32,
@@ -126,6 +128,7 @@ impl Seq {
             hashes: Vec::new(),
             hash_seed,
             lora,
+            cache_salt: None,
             events,
             times: SeqTimes {
                 arrival,
@@ -370,6 +373,7 @@ impl Scheduler {
                         parent_block_hash: before.checked_sub(1).map(|p| seq.hashes[p]),
                         token_ids: seq.tokens[before * bs..after * bs].to_vec(),
                         lora: seq.lora,
+                        cache_salt: seq.cache_salt.clone().filter(|_| before == 0),
                     });
                 }
             }

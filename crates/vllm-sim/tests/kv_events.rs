@@ -286,6 +286,32 @@ async fn adapter_blocks_name_the_adapter() {
 }
 
 #[tokio::test]
+async fn cache_salt_isolates_blocks_and_is_reported_on_the_first() {
+    let sim = vllm_sim::spawn(config(64)).await.unwrap();
+    let mut sub = Sub::ready(&sim).await;
+    let p = ids(2 * BS, 4);
+    complete(
+        &sim,
+        json!({"prompt": p, "max_tokens": 1, "cache_salt": "tenant-a"}),
+    )
+    .await;
+    let (_, s1) = next_stored(&mut sub).await;
+    assert_eq!(
+        get(&s1[0], "extra_keys").to_string(),
+        r#"[["tenant-a"], nil]"#
+    );
+    // The same tokens unsalted are a miss: stored again, under other hashes.
+    prompt(&sim, &p).await;
+    let (_, s2) = next_stored(&mut sub).await;
+    assert_eq!(get(&s2[0], "extra_keys").to_string(), "[nil, nil]");
+    assert_ne!(
+        u64s(get(&s1[0], "block_hashes")),
+        u64s(get(&s2[0], "block_hashes"))
+    );
+    assert_eq!(sim.stats().prefix_hits, 0);
+}
+
+#[tokio::test]
 async fn eviction_under_cache_pressure_removes_what_was_stored() {
     // 8 blocks; each prompt fills 4. The third prompt must evict the first one's blocks.
     let sim = vllm_sim::spawn(config(8)).await.unwrap();

@@ -58,6 +58,9 @@ pub struct CompletionRequest {
     /// Accepted; the simulator never samples an end-of-sequence token anyway.
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -110,6 +113,9 @@ pub struct ChatRequest {
     pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// Which model a request addressed.
@@ -139,6 +145,7 @@ pub struct Prepared {
     pub max_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
+    pub cache_salt: Option<String>,
 }
 
 /// Resolves the `model` field against the served names and adapters.
@@ -299,6 +306,7 @@ fn finish(
         max_tokens,
         stream,
         include_usage,
+        cache_salt: None,
     })
 }
 
@@ -314,7 +322,7 @@ pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepa
     };
     let tokens = prompt_tokens(prompt)?;
     let default = |room: usize| DEFAULT_COMPLETION_TOKENS.min(room as u32);
-    finish(
+    let p = finish(
         st,
         model,
         tokens,
@@ -322,7 +330,11 @@ pub fn prepare_completion(st: &AppState, req: CompletionRequest) -> Result<Prepa
         default,
         req.stream,
         req.stream_options,
-    )
+    )?;
+    Ok(Prepared {
+        cache_salt: req.cache_salt,
+        ..p
+    })
 }
 
 /// Validates a `/v1/chat/completions` body.
@@ -339,7 +351,7 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest) -> Result<Prepared, ApiErro
     }
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let default = |room: usize| DEFAULT_CHAT_TOKENS_CAP.min(room as u32);
-    finish(
+    let p = finish(
         st,
         model,
         tokens,
@@ -347,5 +359,9 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest) -> Result<Prepared, ApiErro
         default,
         req.stream,
         req.stream_options,
-    )
+    )?;
+    Ok(Prepared {
+        cache_salt: req.cache_salt,
+        ..p
+    })
 }

@@ -9,7 +9,8 @@
 //! * `BlockStored`: `type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 //!   lora_name, extra_keys, group_idx, kv_cache_spec_kind` — as in the capture of a real server
 //!   (one full-attention KV-cache group: `group_idx` 0, `kv_cache_spec_kind` `"full_attention"`;
-//!   `extra_keys` one entry per block: nil, or `[lora_name]` for an adapter's blocks).
+//!   `extra_keys` one entry per block: nil, or the block's extra hash keys in vLLM's order —
+//!   `lora_name` for an adapter's blocks, then `cache_salt` on the prompt's first block).
 //! * `BlockRemoved`: `type, block_hashes, medium, group_idx` (vLLM sends one per evicted block).
 //! * `AllBlocksCleared`: `type` only.
 //!
@@ -69,6 +70,7 @@ impl Encoder {
                 parent_block_hash,
                 token_ids,
                 lora,
+                cache_salt,
             } => {
                 let lora_name = lora.and_then(|i| self.loras.get(usize::from(i)));
                 write_map_len(out, 11)?;
@@ -99,13 +101,20 @@ impl Encoder {
                 }
                 write_str(out, "extra_keys")?;
                 write_array_len(out, len32(block_hashes.len())?)?;
-                for _ in block_hashes {
-                    match lora_name {
-                        Some(n) => {
-                            write_array_len(out, 1)?;
-                            write_str(out, n)?;
+                for i in 0..block_hashes.len() {
+                    let salt = cache_salt.as_deref().filter(|_| i == 0);
+                    let keys: Vec<&str> = lora_name
+                        .map(String::as_str)
+                        .into_iter()
+                        .chain(salt)
+                        .collect();
+                    if keys.is_empty() {
+                        write_nil(out)?;
+                    } else {
+                        write_array_len(out, len32(keys.len())?)?;
+                        for k in keys {
+                            write_str(out, k)?;
                         }
-                        None => write_nil(out)?,
                     }
                 }
                 write_str(out, "group_idx")?;

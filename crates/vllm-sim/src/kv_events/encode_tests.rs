@@ -85,6 +85,7 @@ fn to_event(e: &Value) -> KvEvent {
                 .map(|t| t as u32)
                 .collect(),
             lora: None,
+            cache_salt: None,
         },
         "BlockRemoved" => {
             let h = u64s(field(e, "block_hashes"));
@@ -160,6 +161,7 @@ fn lora_blocks_carry_the_adapter() {
         parent_block_hash: Some(9),
         token_ids: (0..256).collect(),
         lora: Some(0),
+        cache_salt: None,
     };
     let v = decode(&enc.encode_batch(1.5, &[ev]).unwrap());
     let e = &v.as_array().unwrap()[1].as_array().unwrap()[0];
@@ -178,10 +180,33 @@ fn lora_blocks_carry_the_adapter() {
         parent_block_hash: None,
         token_ids: vec![0; 128],
         lora: Some(5),
+        cache_salt: None,
     };
     let v = decode(&enc.encode_batch(1.5, &[ev]).unwrap());
     let e = &v.as_array().unwrap()[1].as_array().unwrap()[0];
     assert!(field(e, "lora_id").is_nil() && field(e, "lora_name").is_nil());
+}
+
+#[test]
+fn cache_salt_goes_into_the_first_blocks_extra_keys() {
+    let enc = encoder();
+    let stored = |lora, salt: &str| KvEvent::BlockStored {
+        block_hashes: vec![1, 2],
+        parent_block_hash: None,
+        token_ids: vec![0; 256],
+        lora,
+        cache_salt: Some(salt.into()),
+    };
+    let keys = |ev: KvEvent| {
+        let v = decode(&enc.encode_batch(1.0, &[ev]).unwrap());
+        field(
+            &v.as_array().unwrap()[1].as_array().unwrap()[0],
+            "extra_keys",
+        )
+        .to_string()
+    };
+    assert_eq!(keys(stored(None, "s1")), r#"[["s1"], nil]"#);
+    assert_eq!(keys(stored(Some(0), "s1")), r#"[["sql", "s1"], ["sql"]]"#);
 }
 
 #[test]

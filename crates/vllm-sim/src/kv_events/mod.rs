@@ -212,6 +212,9 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Index of the LoRA adapter (`--lora-modules` order), None for the base model.
         lora: Option<u16>,
+        /// The request's `cache_salt`, when the event starts at the prompt's first block (vLLM
+        /// mixes the salt into the first block only).
+        cache_salt: Option<String>,
     },
     /// A cached block was evicted (its contents are gone).
     BlockRemoved { block_hash: u64 },
