@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::cost::CostModel;
+use crate::kv_events::KvEventsConfig;
 
 /// Model name served when no `--model` / `--served-model-name` is given.
 pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
@@ -116,6 +117,32 @@ pub struct SimConfig {
     /// of the built-in stand-in tokenizer.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// vLLM's KV-cache event publisher, same JSON: e.g.
+    /// `{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558",
+    /// "topic":"kv"}` (keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint,
+    /// buffer_steps, hwm, max_queue_size, topic; unknown keys are refused). Binds when the
+    /// endpoint has `*` or `::`, connects otherwise; `tcp://*:0` binds a free port (see
+    /// `GET /kv_event_sources`). With --fleet, ports move up by one per simulator.
+    #[arg(long, value_parser = parse_kv_events)]
+    pub kv_events_config: Option<KvEventsConfig>,
+    /// Fault: fraction (0–1) of KV-event batches not sent (sequence gaps; kept for replay).
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_events_drop_rate: f64,
+    /// Fault: after this many KV-event batches, stall the stream (see --kv-events-stall-ms).
+    #[arg(long)]
+    pub kv_events_stall_after: Option<u64>,
+    /// Fault: how long the stall of --kv-events-stall-after lasts, in wall-clock ms (0: until
+    /// `POST /sim/faults {"kv_events_stall":false}`).
+    #[arg(long, default_value_t = 0)]
+    pub kv_events_stall_ms: u64,
+    /// Fault: after this many KV-event batches, restart the engine once (cache wiped, sequence
+    /// back to 0 with AllBlocksCleared, event sockets re-opened).
+    #[arg(long)]
+    pub kv_events_restart_after: Option<u64>,
+}
+
+fn parse_kv_events(s: &str) -> Result<KvEventsConfig, String> {
+    KvEventsConfig::parse(s).map_err(|e| e.to_string())
 }
 
 impl Default for SimConfig {
@@ -150,6 +177,11 @@ impl Default for SimConfig {
             admin_port: None,
             fleet: 1,
             tokenizer: None,
+            kv_events_config: None,
+            kv_events_drop_rate: 0.0,
+            kv_events_stall_after: None,
+            kv_events_stall_ms: 0,
+            kv_events_restart_after: None,
         }
     }
 }
@@ -188,6 +220,10 @@ pub enum ConfigError {
     FailRate(f64),
     #[error("cost coefficients must be finite and non-negative")]
     Cost,
+    #[error("--kv-events-drop-rate must be within 0..=1, got {0}")]
+    KvDropRate(f64),
+    #[error("{0} needs --kv-events-config with enable_kv_cache_events")]
+    KvEventsOff(&'static str),
 }
 
 impl SimConfig {
@@ -220,7 +256,33 @@ impl SimConfig {
         if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
             return Err(ConfigError::Cost);
         }
+        if !(0.0..=1.0).contains(&self.kv_events_drop_rate) {
+            return Err(ConfigError::KvDropRate(self.kv_events_drop_rate));
+        }
+        if !self.kv_events() {
+            let faults = [
+                (self.kv_events_drop_rate > 0.0, "--kv-events-drop-rate"),
+                (
+                    self.kv_events_stall_after.is_some(),
+                    "--kv-events-stall-after",
+                ),
+                (
+                    self.kv_events_restart_after.is_some(),
+                    "--kv-events-restart-after",
+                ),
+            ];
+            if let Some((_, flag)) = faults.iter().find(|(on, _)| *on) {
+                return Err(ConfigError::KvEventsOff(flag));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether KV-cache events are published.
+    pub fn kv_events(&self) -> bool {
+        self.kv_events_config
+            .as_ref()
+            .is_some_and(KvEventsConfig::publishes)
     }
 
     /// Names the base model is served under; the first is the primary one.
@@ -286,6 +348,40 @@ mod tests {
         assert_eq!(c.lora_modules.len(), 2);
         assert_eq!(c.lora_modules[1].base_model_name.as_deref(), Some("a"));
         assert!(SimConfig::try_parse_from(["vllm-sim", "--lora-modules", "noequals"]).is_err());
+    }
+
+    #[test]
+    fn kv_events_flags_parse_and_validate() {
+        let c = SimConfig::try_parse_from([
+            "vllm-sim",
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"t"}"#,
+            "--kv-events-drop-rate",
+            "0.5",
+            "--kv-events-restart-after",
+            "3",
+        ])
+        .unwrap();
+        assert!(c.kv_events());
+        c.validate().unwrap();
+        assert_eq!(c.kv_events_config.as_ref().unwrap().topic, "t");
+        let err = SimConfig::try_parse_from(["vllm-sim", "--kv-events-config", r#"{"topik":"t"}"#])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("topik"), "{err}");
+        let off = SimConfig {
+            kv_events_stall_after: Some(2),
+            ..SimConfig::default()
+        };
+        assert_eq!(
+            off.validate(),
+            Err(ConfigError::KvEventsOff("--kv-events-stall-after"))
+        );
+        let bad = SimConfig {
+            kv_events_drop_rate: 2.0,
+            ..c
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::KvDropRate(2.0)));
     }
 
     #[test]

@@ -14,15 +14,22 @@
 //!
 //! A client that disconnects drops its [`RequestGuard`], which sends an abort; the engine then
 //! frees the request's blocks at once and counts `finished_reason="abort"`.
+//!
+//! KV-cache events (`--kv-events-config`): after each step the block pool's events go to the
+//! publisher as one batch numbered from 0 (vLLM batches per engine step too). Two control
+//! messages act on the cache between steps: `reset_prefix_cache` (vLLM's endpoint of that name)
+//! and `restart` (the restart fault: running requests are preempted, the cache is wiped, the
+//! sequence starts again at 0 with `AllBlocksCleared`, the publisher re-opens its sockets).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::cost::CostModel;
+use crate::kv_events::publisher::{PubMsg, PubStats};
 use crate::metrics::{unix_now, Metrics, FINISHED_ABORT, FINISHED_LENGTH};
 use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
 
@@ -34,14 +41,24 @@ const MAX_LAG: Duration = Duration::from_millis(50);
 pub struct Submission {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
-    /// Seeds the block-hash chain: LoRA adapters never share cache with the base model.
+    /// Seeds the block-hash chain: LoRA adapters and cache salts never share cache with the
+    /// base model or each other.
     pub hash_seed: u64,
     pub lora: Option<u16>,
+    /// `cache_salt` of the request (reported in the first block's KV-event `extra_keys`).
+    pub cache_salt: Option<String>,
 }
 
 enum Msg {
     Add(Box<Seq>),
     Abort(u64),
+    /// `POST /reset_prefix_cache`: answers whether the cache was reset.
+    ResetPrefixCache {
+        reset_running: bool,
+        reply: oneshot::Sender<bool>,
+    },
+    /// The restart fault.
+    Restart,
 }
 
 /// Engine state that tests and the HTTP layer can read.
@@ -124,6 +141,10 @@ impl std::fmt::Debug for Msg {
         match self {
             Msg::Add(s) => write!(f, "Add({})", s.id),
             Msg::Abort(id) => write!(f, "Abort({id})"),
+            Msg::ResetPrefixCache { reset_running, .. } => {
+                write!(f, "ResetPrefixCache({reset_running})")
+            }
+            Msg::Restart => write!(f, "Restart"),
         }
     }
 }
@@ -153,11 +174,34 @@ impl Drop for RequestGuard {
 }
 
 impl EngineHandle {
+    /// vLLM's `reset_prefix_cache`: drops every cached block when none is held (with
+    /// `reset_running`, running requests are preempted first so that none is). False if the
+    /// cache was not reset or the engine is gone.
+    pub async fn reset_prefix_cache(&self, reset_running: bool) -> bool {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .tx
+            .send(Msg::ResetPrefixCache {
+                reset_running,
+                reply,
+            })
+            .is_err()
+        {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    /// The restart fault (see module doc); applied between steps.
+    pub fn restart(&self) {
+        let _ = self.tx.send(Msg::Restart);
+    }
+
     /// Queues a request; tokens arrive on the returned receiver.
     pub fn submit(&self, sub: Submission) -> (RequestGuard, mpsc::UnboundedReceiver<TokenEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq::new(
+        let mut seq = Seq::new(
             id,
             sub.tokens,
             sub.max_tokens,
@@ -166,6 +210,7 @@ impl EngineHandle {
             tx,
             Instant::now(),
         );
+        seq.cache_salt = sub.cache_salt;
         // If the engine is gone the receiver closes at once and the handler reports an error.
         let _ = self.tx.send(Msg::Add(Box::new(seq)));
         (
@@ -189,6 +234,17 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Adapter names by index, for `vllm:lora_requests_info`.
     pub lora_names: Vec<String>,
+    /// Where KV-cache events go (None: not published, not even recorded).
+    pub kv: Option<KvSink>,
+}
+
+/// The engine's end of the KV-event publisher.
+#[derive(Debug, Clone)]
+pub struct KvSink {
+    pub tx: mpsc::Sender<PubMsg>,
+    pub stats: Arc<PubStats>,
+    /// `--kv-events-restart-after N`: restart once, after the N-th batch.
+    pub restart_after: Option<u64>,
 }
 
 /// Creates an engine; run the returned future on a task.
@@ -205,12 +261,18 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         next_id: Arc::new(AtomicU64::new(0)),
         shared: shared.clone(),
     };
+    let mut sched = Scheduler::new(cfg.limits, cfg.num_blocks);
+    if cfg.kv.is_some() {
+        sched.pool.enable_events();
+    }
     let engine = Engine {
-        sched: Scheduler::new(cfg.limits, cfg.num_blocks),
+        sched,
         cfg,
         shared,
         steps: 0,
         stats: Stats::default(),
+        kv_seq: 0,
+        kv_batches: 0,
     };
     (handle, engine.run(rx))
 }
@@ -221,6 +283,10 @@ struct Engine {
     shared: Arc<Shared>,
     steps: u64,
     stats: Stats,
+    /// Seq of the next KV-event batch.
+    kv_seq: u64,
+    /// KV-event batches handed to the publisher since start (for `restart_after`).
+    kv_batches: u64,
 }
 
 impl Engine {
@@ -250,6 +316,7 @@ impl Engine {
             let plan = self.sched.schedule(start);
             if plan.work.sequences == 0 {
                 // Nothing can run (only possible with an empty batch and aborts pending).
+                self.flush_kv();
                 self.publish();
                 next_start = None;
                 if self.sched.is_idle() {
@@ -295,8 +362,52 @@ impl Engine {
             });
             drop(m);
             self.record(first_tokens, left);
+            self.flush_kv();
             self.publish();
         }
+    }
+
+    /// Hands this step's KV-cache events to the publisher as one batch.
+    fn flush_kv(&mut self) {
+        let Some(kv) = &self.cfg.kv else {
+            return;
+        };
+        let events = self.sched.pool.take_events();
+        if events.is_empty() {
+            return;
+        }
+        let seq = self.kv_seq;
+        self.kv_seq += 1;
+        let batch = PubMsg::Batch {
+            seq,
+            ts: unix_now(),
+            events,
+        };
+        if kv.tx.try_send(batch).is_err() {
+            kv.stats.count_lost();
+        }
+        self.kv_batches += 1;
+        if kv.restart_after == Some(self.kv_batches) {
+            self.restart();
+        }
+    }
+
+    /// The restart fault: what a subscriber sees when the engine process starts afresh.
+    fn restart(&mut self) {
+        let preempted = self.sched.preempt_all();
+        self.shared.metrics().preemptions += u64::from(preempted);
+        self.sched.pool.wipe();
+        self.kv_seq = 0;
+        if let Some(kv) = &self.cfg.kv {
+            if kv.tx.try_send(PubMsg::Restart).is_err() {
+                kv.stats.count_lost();
+            }
+        }
+        self.sched
+            .pool
+            .record(crate::kv_events::KvEvent::AllBlocksCleared);
+        self.flush_kv();
+        self.publish();
     }
 
     fn handle(&mut self, msg: Msg) {
@@ -308,6 +419,20 @@ impl Engine {
                     self.publish();
                 }
             }
+            Msg::ResetPrefixCache {
+                reset_running,
+                reply,
+            } => {
+                if reset_running {
+                    let preempted = self.sched.preempt_all();
+                    self.shared.metrics().preemptions += u64::from(preempted);
+                }
+                let ok = self.sched.pool.reset();
+                self.flush_kv();
+                self.publish();
+                let _ = reply.send(ok);
+            }
+            Msg::Restart => self.restart(),
         }
     }
 

@@ -13,6 +13,9 @@
 //! | `cut_stream_after` | a response body ends abruptly after N tokens (no `[DONE]`, broken chunked encoding); the request is aborted in the engine |
 //! | `refuse_after` | when the N-th completion request arrives the listener is closed (new connections are refused); a later request on a kept-alive connection drops every open connection |
 //! | `refuse_connections` | `true`: close the listener and drop every open connection now; `false`: re-bind the same port (and re-arm `refuse_after`) |
+//! | `kv_events_drop_rate` | that fraction of KV-event batches is not sent (a sequence gap; the batch stays in the replay buffer) |
+//! | `kv_events_stall` | `true`: publish no KV events (they wait, up to `hwm`, and go out in order on `false`); with `kv_events_stall_for_ms`, resume by itself after that long |
+//! | `kv_events_restart` | `true`: the engine restarts — running requests are preempted, the prefix cache is wiped, the event sockets are re-opened and the sequence starts again at 0 with `AllBlocksCleared` |
 //!
 //! Wall-clock fault durations are not divided by `--time-scale`: they exercise the router's
 //! own timeouts, which run on the real clock.
@@ -48,6 +51,11 @@ struct Inner {
     kill: watch::Sender<u64>,
     /// Actual listener state, published by the accept loop.
     listening: watch::Sender<bool>,
+    kv_drop_rate_bits: AtomicU64,
+    /// True while the KV-event stream is stalled.
+    kv_stall: watch::Sender<bool>,
+    /// Bumped by every stall, so a timed resume does not end a later stall.
+    kv_stall_gen: AtomicU64,
 }
 
 /// A snapshot of all fault settings (what `GET /sim/faults` returns).
@@ -63,6 +71,8 @@ pub struct FaultSnapshot {
     pub refuse_connections: bool,
     pub listening: bool,
     pub requests_seen: u64,
+    pub kv_events_drop_rate: f64,
+    pub kv_events_stalled: bool,
 }
 
 /// A partial update (`POST /sim/faults`): absent fields stay as they are; `null` clears
@@ -84,6 +94,13 @@ pub struct FaultPatch {
     pub refuse_connections: Option<bool>,
     /// With `refuse_connections: true`: re-bind automatically after this many ms.
     pub refuse_for_ms: Option<u64>,
+    pub kv_events_drop_rate: Option<f64>,
+    pub kv_events_stall: Option<bool>,
+    /// With `kv_events_stall: true`: resume automatically after this many ms.
+    pub kv_events_stall_for_ms: Option<u64>,
+    /// Restart the engine (applied by the HTTP layer, which reaches the engine; see module doc).
+    #[serde(default)]
+    pub kv_events_restart: bool,
 }
 
 /// Distinguishes a field given as `null` (Some(None)) from an absent one (None).
@@ -115,6 +132,14 @@ fn unopt(v: u64) -> Option<u64> {
     (v != OFF).then_some(v)
 }
 
+fn clamp_rate(rate: f64) -> f64 {
+    if rate.is_nan() {
+        0.0
+    } else {
+        rate.clamp(0.0, 1.0)
+    }
+}
+
 impl Faults {
     /// No faults.
     pub fn new() -> Self {
@@ -131,20 +156,18 @@ impl Faults {
                 refuse: watch::channel(false).0,
                 kill: watch::channel(0).0,
                 listening: watch::channel(false).0,
+                kv_drop_rate_bits: AtomicU64::new(0f64.to_bits()),
+                kv_stall: watch::channel(false).0,
+                kv_stall_gen: AtomicU64::new(0),
             }),
         }
     }
 
     /// Fraction (clamped to 0–1) of completion requests answered with 500.
     pub fn set_fail_rate(&self, rate: f64) {
-        let r = if rate.is_nan() {
-            0.0
-        } else {
-            rate.clamp(0.0, 1.0)
-        };
         self.inner
             .fail_rate_bits
-            .store(r.to_bits(), Ordering::Relaxed);
+            .store(clamp_rate(rate).to_bits(), Ordering::Relaxed);
     }
     pub fn set_metrics_delay(&self, d: Duration) {
         self.inner
@@ -170,6 +193,34 @@ impl Faults {
     pub fn set_refuse_after(&self, n: Option<u64>) {
         self.inner.requests.store(0, Ordering::Relaxed);
         self.inner.refuse_after.store(opt(n), Ordering::Relaxed);
+    }
+
+    /// Fraction (clamped to 0–1) of KV-event batches not sent.
+    pub fn set_kv_drop_rate(&self, rate: f64) {
+        self.inner
+            .kv_drop_rate_bits
+            .store(clamp_rate(rate).to_bits(), Ordering::Relaxed);
+    }
+
+    /// Stops KV-event publishing; with `for_`, it resumes by itself after that long.
+    pub fn stall_kv_events(&self, for_: Option<Duration>) {
+        let gen = self.inner.kv_stall_gen.fetch_add(1, Ordering::Relaxed) + 1;
+        self.inner.kv_stall.send_replace(true);
+        if let Some(d) = for_ {
+            let me = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(d).await;
+                if me.inner.kv_stall_gen.load(Ordering::Relaxed) == gen {
+                    me.resume_kv_events();
+                }
+            });
+        }
+    }
+
+    /// Ends a KV-event stall: held-back batches go out in order.
+    pub fn resume_kv_events(&self) {
+        self.inner.kv_stall_gen.fetch_add(1, Ordering::Relaxed);
+        self.inner.kv_stall.send_replace(false);
     }
 
     /// Closes the listener (connects are refused) and drops every open connection.
@@ -210,6 +261,8 @@ impl Faults {
             refuse_connections: *i.refuse.borrow(),
             listening: self.is_listening(),
             requests_seen: i.requests.load(Ordering::Relaxed),
+            kv_events_drop_rate: self.kv_drop_rate(),
+            kv_events_stalled: *i.kv_stall.borrow(),
         }
     }
 
@@ -223,6 +276,8 @@ impl Faults {
             self.set_first_token_stall(Duration::ZERO);
             self.set_cut_stream_after(None);
             self.set_refuse_after(None);
+            self.set_kv_drop_rate(0.0);
+            self.resume_kv_events();
         }
         if let Some(r) = p.fail_rate {
             self.set_fail_rate(r);
@@ -244,6 +299,14 @@ impl Faults {
         }
         if let Some(n) = p.refuse_after {
             self.set_refuse_after(n);
+        }
+        if let Some(r) = p.kv_events_drop_rate {
+            self.set_kv_drop_rate(r);
+        }
+        match p.kv_events_stall {
+            Some(true) => self.stall_kv_events(p.kv_events_stall_for_ms.map(Duration::from_millis)),
+            Some(false) => self.resume_kv_events(),
+            None => {}
         }
         match p.refuse_connections {
             Some(true) => {
@@ -269,6 +332,20 @@ impl Faults {
     pub(crate) fn should_fail(&self) -> bool {
         let r = self.fail_rate();
         r > 0.0 && fastrand::f64() < r
+    }
+
+    pub(crate) fn kv_drop_rate(&self) -> f64 {
+        f64::from_bits(self.inner.kv_drop_rate_bits.load(Ordering::Relaxed))
+    }
+
+    /// Draws whether this KV-event batch is dropped.
+    pub(crate) fn kv_should_drop(&self) -> bool {
+        let r = self.kv_drop_rate();
+        r > 0.0 && fastrand::f64() < r
+    }
+
+    pub(crate) fn kv_stall_watch(&self) -> watch::Receiver<bool> {
+        self.inner.kv_stall.subscribe()
     }
 
     pub(crate) fn metrics_delay(&self) -> Duration {
@@ -369,5 +446,37 @@ mod tests {
         f.accept_connections();
         assert!(!*f.refuse_watch().borrow());
         assert_eq!(f.admit_request(), Admission::Serve, "re-armed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn kv_stall_resumes_by_itself_unless_stalled_again() {
+        let f = Faults::new();
+        let p: FaultPatch = serde_json::from_str(
+            r#"{"kv_events_stall":true,"kv_events_stall_for_ms":100,"kv_events_drop_rate":0.5}"#,
+        )
+        .unwrap();
+        f.apply(&p);
+        assert!(f.snapshot().kv_events_stalled);
+        assert_eq!(f.snapshot().kv_events_drop_rate, 0.5);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!f.snapshot().kv_events_stalled, "resumed after 100 ms");
+        f.stall_kv_events(Some(Duration::from_millis(100)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        f.stall_kv_events(None);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            f.snapshot().kv_events_stalled,
+            "the first timer does not end the second stall"
+        );
+        f.apply(&FaultPatch {
+            reset: true,
+            ..FaultPatch::default()
+        });
+        assert!(!f.snapshot().kv_events_stalled);
+        assert_eq!(f.kv_drop_rate(), 0.0);
+        f.set_kv_drop_rate(1.0);
+        assert!((0..50).all(|_| f.kv_should_drop()));
+        let restart: FaultPatch = serde_json::from_str(r#"{"kv_events_restart":true}"#).unwrap();
+        assert!(restart.kv_events_restart);
     }
 }

@@ -15,8 +15,15 @@
 //!
 //! `kv_cache_usage_perc` counts blocks with a non-zero reference count only: a pool full of
 //! cached-but-free blocks reports low usage, exactly as vLLM does.
+//!
+//! With KV-cache events enabled ([`BlockPool::enable_events`]) the pool also records what it
+//! did, in order, for the engine to publish after each step: an eviction is a `BlockRemoved`,
+//! a reset an `AllBlocksCleared`; the scheduler adds the `BlockStored` of each sequence's newly
+//! cached blocks ([`BlockPool::record`]), since only it knows their tokens.
 
 use std::collections::HashMap;
+
+use crate::kv_events::KvEvent;
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -41,6 +48,8 @@ pub struct BlockPool {
     num_free: usize,
     cached: HashMap<u64, BlockId>,
     evictions: u64,
+    /// Events since the last `take_events` (None: events disabled, nothing recorded).
+    events: Option<Vec<KvEvent>>,
 }
 
 impl BlockPool {
@@ -62,6 +71,51 @@ impl BlockPool {
             num_free: num_blocks,
             cached: HashMap::with_capacity(num_blocks),
             evictions: 0,
+            events: None,
+        }
+    }
+
+    /// Start recording KV-cache events.
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Appends an event (when events are enabled).
+    pub fn record(&mut self, event: KvEvent) {
+        if let Some(ev) = &mut self.events {
+            ev.push(event);
+        }
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// vLLM's `reset_prefix_cache`: forgets every cached block, only when no block is held
+    /// (returns false and changes nothing otherwise); records `AllBlocksCleared`.
+    pub fn reset(&mut self) -> bool {
+        if self.num_used() > 0 {
+            return false;
+        }
+        self.wipe();
+        self.record(KvEvent::AllBlocksCleared);
+        true
+    }
+
+    /// Forgets every cached block's contents, held or not, and drops unpublished events (an
+    /// engine restart: nothing of the old cache survives, not even its news).
+    pub fn wipe(&mut self) {
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        self.cached.clear();
+        if let Some(ev) = &mut self.events {
+            ev.clear();
         }
     }
 
@@ -144,6 +198,9 @@ impl BlockPool {
             if let Some(h) = block.hash.take() {
                 self.cached.remove(&h);
                 self.evictions += 1;
+                if let Some(ev) = &mut self.events {
+                    ev.push(KvEvent::BlockRemoved { block_hash: h });
+                }
             }
             block.ref_cnt = 1;
             out.push(id);
@@ -227,6 +284,43 @@ mod tests {
             pool.commit_full(*id, *h);
         }
         ids
+    }
+
+    #[test]
+    fn events_record_evictions_and_resets() {
+        let mut pool = BlockPool::new(2);
+        let a = fill(&mut pool, 2, &[1, 2]);
+        assert!(pool.take_events().is_empty(), "disabled: nothing recorded");
+        pool.free(&a);
+        pool.enable_events();
+        assert!(pool.reset(), "nothing held: the reset succeeds");
+        let b = fill(&mut pool, 2, &[3, 4]);
+        assert!(!pool.reset(), "blocks are held: the reset fails");
+        pool.free(&b);
+        let mut out = Vec::new();
+        assert!(pool.allocate(1, &mut out));
+        // b freed tail first: block with hash 4 is evicted first.
+        assert_eq!(
+            pool.take_events(),
+            [
+                KvEvent::AllBlocksCleared,
+                KvEvent::BlockRemoved { block_hash: 4 }
+            ]
+        );
+        pool.free(&out);
+        assert!(pool.reset());
+        assert_eq!(pool.num_cached(), 0);
+        assert_eq!(pool.take_events(), [KvEvent::AllBlocksCleared]);
+        let c = fill(&mut pool, 1, &[5]);
+        pool.record(KvEvent::AllBlocksCleared);
+        pool.wipe();
+        assert!(
+            pool.take_events().is_empty(),
+            "a wipe drops unpublished events"
+        );
+        assert_eq!(pool.match_prefix(&[5]), 0);
+        pool.free(&c);
+        assert_eq!(pool.num_free(), 2);
     }
 
     #[test]

@@ -15,10 +15,12 @@
 //! * [`engine`] — one task per server running the step loop in simulated time.
 //! * [`scheduler`] — continuous batching, chunked prefill, FIFO admission, preemption.
 //! * [`kv_cache`] — the block pool with reference counts, chain hashes and LRU prefix caching.
+//! * [`kv_events`] — vLLM's `--kv-events-config`: the pool's stores, evictions and resets
+//!   published over ZeroMQ in vLLM 0.32's msgpack encoding, with replay and stream faults.
 //! * [`cost`] — the step-time model, calibrated to Llama-3.1-8B on one H100.
 //! * [`metrics`] — counters and histograms rendered exactly as vLLM 0.32's `/metrics`.
 //! * [`faults`] — runtime-switchable failures (500s, slow/hung/garbage metrics, stalls, cut
-//!   streams, refused connections).
+//!   streams, refused connections, dropped/stalled KV events, engine restarts).
 //! * [`config`] — every flag, shared by the library and the `vllm-sim` binary.
 //!
 //! # Use from tests
@@ -39,6 +41,7 @@ pub mod cost;
 pub mod engine;
 pub mod faults;
 pub mod kv_cache;
+pub mod kv_events;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
@@ -58,20 +61,33 @@ pub use config::{LoraModule, SimConfig};
 pub use cost::CostModel;
 pub use engine::Stats;
 pub use faults::{FaultPatch, FaultSnapshot, Faults};
+pub use kv_events::publisher::KvStats;
+pub use kv_events::KvEventsConfig;
 
-use api::AppState;
-use engine::{EngineConfig, Shared};
+use api::{AppState, KvInfo};
+use engine::{EngineConfig, KvSink, Shared};
+use kv_events::encode::Encoder;
+use kv_events::publisher::{self as kv_publisher, StallPlan};
 use metrics::PageInfo;
 use scheduler::Limits;
 
-/// A simulator built but not yet serving.
-struct Sim {
+type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// How long a stopping simulator waits for its event publisher to close its sockets.
+const PUBLISHER_CLOSE: Duration = Duration::from_secs(2);
+
+/// A simulator built (engine ready, KV-event sockets bound) but not yet serving; the binary
+/// uses it to print the bound event endpoint before serving.
+pub struct Sim {
     state: AppState,
-    engine: Pin<Box<dyn Future<Output = ()> + Send>>,
+    engine: Task,
+    publisher: Option<Task>,
 }
 
 impl Sim {
-    fn build(config: SimConfig, addr: SocketAddr) -> io::Result<Self> {
+    /// Validates `config`, binds the KV-event sockets (if configured) and builds the engine;
+    /// `addr` is the address `listener` (given to [`Sim::run`]) is bound to.
+    pub async fn build(config: SimConfig, addr: SocketAddr) -> io::Result<Self> {
         config
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
@@ -93,6 +109,32 @@ impl Sim {
         faults.set_refuse_after(config.refuse_after);
         // The caller's listener is bound already: connects succeed from now on.
         faults.set_listening(true);
+        let lora_names: Vec<String> = config.lora_modules.iter().map(|l| l.name.clone()).collect();
+        let publisher = match &config.kv_events_config {
+            Some(kv) if kv.publishes() => {
+                let encoder = Encoder {
+                    block_size: config.block_size as u64,
+                    loras: lora_names.clone(),
+                };
+                let stall = StallPlan {
+                    after: config.kv_events_stall_after,
+                    ms: config.kv_events_stall_ms,
+                };
+                faults.set_kv_drop_rate(config.kv_events_drop_rate);
+                let host = addr.ip().to_string();
+                Some(kv_publisher::start(kv, &host, encoder, faults.clone(), stall).await?)
+            }
+            _ => None,
+        };
+        let kv_sink = publisher.as_ref().map(|p| KvSink {
+            tx: p.tx.clone(),
+            stats: p.stats.clone(),
+            restart_after: config.kv_events_restart_after,
+        });
+        let kv_info = publisher.as_ref().map(|p| KvInfo {
+            resolved: p.resolved.clone(),
+            stats: p.stats.clone(),
+        });
         let time_scale = if config.instant {
             1.0
         } else {
@@ -109,7 +151,8 @@ impl Sim {
             cost: config.cost_model(),
             time_scale,
             max_model_len: config.max_model_len,
-            lora_names: config.lora_modules.iter().map(|l| l.name.clone()).collect(),
+            lora_names,
+            kv: kv_sink,
         });
         let page_info = PageInfo {
             model_name: names[0].clone(),
@@ -129,20 +172,29 @@ impl Sim {
             page_info,
             addr,
             hf,
+            kv: kv_info,
         });
         Ok(Self {
             state,
             engine: Box::pin(engine),
+            publisher: publisher.map(|p| p.task),
         })
     }
 
-    async fn run(
+    /// The KV-event PUB endpoint as bound, when events are published.
+    pub fn kv_events_endpoint(&self) -> Option<String> {
+        self.state.kv.as_ref().map(|k| k.resolved.endpoint.clone())
+    }
+
+    /// Serves on `listener` (and `admin`, with the admin routes) until `shutdown` completes.
+    pub async fn run(
         self,
         listener: TcpListener,
         admin: Option<TcpListener>,
         shutdown: impl Future<Output = ()>,
     ) -> io::Result<()> {
         let engine = AbortOnDrop(tokio::spawn(self.engine));
+        let publisher = self.publisher.map(|p| AbortOnDrop(tokio::spawn(p)));
         let (admin_stop, admin_rx) = watch::channel(());
         let _admin = match admin {
             Some(admin) => {
@@ -162,6 +214,10 @@ impl Sim {
         let result = server::accept_loop(listener, app, self.state.faults.clone(), shutdown).await;
         drop(admin_stop);
         drop(engine);
+        if let Some(mut p) = publisher {
+            // The engine's end of the queue is gone: the publisher closes its sockets and ends.
+            let _ = tokio::time::timeout(PUBLISHER_CLOSE, &mut p.0).await;
+        }
         result
     }
 }
@@ -197,7 +253,7 @@ pub async fn serve_with_admin(
     config: SimConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let sim = Sim::build(config, listener.local_addr()?)?;
+    let sim = Sim::build(config, listener.local_addr()?).await?;
     sim.run(listener, admin, shutdown).await
 }
 
@@ -224,7 +280,7 @@ pub async fn spawn(config: SimConfig) -> io::Result<SimHandle> {
         None => None,
     };
     let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
-    let sim = Sim::build(config, addr)?;
+    let sim = Sim::build(config, addr).await?;
     let state = sim.state.clone();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(sim.run(listener, admin, async move {
@@ -267,6 +323,35 @@ impl SimHandle {
     /// Runtime fault control.
     pub fn faults(&self) -> &Faults {
         &self.state.faults
+    }
+
+    /// The KV-event PUB endpoint as bound (`tcp://127.0.0.1:PORT` for `tcp://*:0`), when events
+    /// are published.
+    pub fn kv_events_endpoint(&self) -> Option<String> {
+        self.state.kv.as_ref().map(|k| k.resolved.endpoint.clone())
+    }
+
+    /// The KV-event replay (ROUTER) endpoint as bound, when configured.
+    pub fn kv_replay_endpoint(&self) -> Option<String> {
+        self.state
+            .kv
+            .as_ref()
+            .and_then(|k| k.resolved.replay_endpoint.clone())
+    }
+
+    /// Counters of the KV-event stream, when events are published.
+    pub fn kv_stats(&self) -> Option<KvStats> {
+        self.state.kv.as_ref().map(|k| k.stats.snapshot())
+    }
+
+    /// vLLM's `POST /reset_prefix_cache`: true if the prefix cache was dropped.
+    pub async fn reset_prefix_cache(&self, reset_running: bool) -> bool {
+        self.state.engine.reset_prefix_cache(reset_running).await
+    }
+
+    /// The restart fault: running requests preempted, cache wiped, KV-event sequence back to 0.
+    pub fn restart_engine(&self) {
+        self.state.engine.restart();
     }
 
     /// The engine's counters and gauges now.

@@ -63,25 +63,26 @@ async fn run(config: SimConfig) -> std::io::Result<()> {
         let mut c = config.clone();
         c.port = nth_port(config.port, i)?;
         c.admin_port = config.admin_port.map(|p| nth_port(p, i)).transpose()?;
+        c.kv_events_config = config.kv_events_config.as_ref().map(|k| k.offset_ports(i));
         let listener = TcpListener::bind((c.host.as_str(), c.port)).await?;
         let addr = listener.local_addr()?;
         let admin = match c.admin_port {
             Some(p) => Some(TcpListener::bind((c.host.as_str(), p)).await?),
             None => None,
         };
-        match admin.as_ref().map(TcpListener::local_addr).transpose()? {
-            Some(a) => println!("http://{addr} admin=http://{a}"),
-            None => println!("http://{addr}"),
+        let mut line = format!("http://{addr}");
+        if let Some(a) = admin.as_ref().map(TcpListener::local_addr).transpose()? {
+            line.push_str(&format!(" admin=http://{a}"));
         }
         let mut rx = stop_rx.clone();
-        servers.push(tokio::spawn(vllm_sim::serve_with_admin(
-            listener,
-            admin,
-            c,
-            async move {
-                let _ = rx.changed().await;
-            },
-        )));
+        let sim = vllm_sim::Sim::build(c, addr).await?;
+        if let Some(ep) = sim.kv_events_endpoint() {
+            line.push_str(&format!(" kv_events={ep}"));
+        }
+        println!("{line}");
+        servers.push(tokio::spawn(sim.run(listener, admin, async move {
+            let _ = rx.changed().await;
+        })));
     }
     tracing::info!(
         servers = config.fleet,

@@ -18,7 +18,7 @@
 //!
 //! After the step's simulated time has passed, [`Scheduler::apply`] advances every scheduled
 //! sequence: computed tokens grow, newly full blocks are hashed and registered in the prefix
-//! cache, and a sequence whose tokens are all computed samples its next token (deterministic
+//! cache (with KV-cache events on, one `BlockStored` per sequence reports them), and a sequence whose tokens are all computed samples its next token (deterministic
 //! filler). A sequence that reaches its `max_tokens` finishes and its blocks are freed.
 //!
 //! Prefix-cache accounting matches vLLM's counters: at a request's first admission,
@@ -39,6 +39,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::cost::StepWork;
 use crate::kv_cache::{BlockId, BlockPool};
+use crate::kv_events::KvEvent;
 use crate::tokenizer::filler_id;
 
 /// Why a sequence ended.
@@ -94,6 +95,8 @@ pub struct Seq {
     hashes: Vec<u64>,
     hash_seed: u64,
     pub lora: Option<u16>,
+    /// The request's `cache_salt` (already mixed into `hash_seed`), for the KV events.
+    pub cache_salt: Option<String>,
     pub events: mpsc::UnboundedSender<TokenEvent>,
     pub times: SeqTimes,
     pub preemptions: u32,
@@ -125,6 +128,7 @@ impl Seq {
             hashes: Vec::new(),
             hash_seed,
             lora,
+            cache_salt: None,
             events,
             times: SeqTimes {
                 arrival,
@@ -262,6 +266,17 @@ impl Scheduler {
         out
     }
 
+    /// Preempts every running sequence, newest first, so they run again in their order (vLLM's
+    /// `reset_prefix_cache(reset_running_requests=True)`); returns how many.
+    pub fn preempt_all(&mut self) -> u32 {
+        let mut n = 0;
+        while let Some(seq) = self.running.pop() {
+            self.preempt(seq);
+            n += 1;
+        }
+        n
+    }
+
     fn preempt(&mut self, mut seq: Seq) {
         self.pool.free(&seq.blocks);
         seq.blocks.clear();
@@ -348,6 +363,18 @@ impl Scheduler {
                 seq.ensure_hashes(bs);
                 for b in before..after {
                     self.pool.commit_full(seq.blocks[b], seq.hashes[b]);
+                }
+                if self.pool.events_enabled() {
+                    // One event per sequence and step, like vLLM's `cache_full_blocks`; a block
+                    // whose contents another block already caches is reported too (its hash
+                    // names the same contents).
+                    self.pool.record(KvEvent::BlockStored {
+                        block_hashes: seq.hashes[before..after].to_vec(),
+                        parent_block_hash: before.checked_sub(1).map(|p| seq.hashes[p]),
+                        token_ids: seq.tokens[before * bs..after * bs].to_vec(),
+                        lora: seq.lora,
+                        cache_salt: seq.cache_salt.clone().filter(|_| before == 0),
+                    });
                 }
             }
             if seq.num_computed < seq.tokens.len() {

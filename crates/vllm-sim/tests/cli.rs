@@ -60,6 +60,11 @@ async fn help_lists_the_vllm_flags() {
         "--cut-stream-after",
         "--refuse-after",
         "--admin-port",
+        "--kv-events-config",
+        "--kv-events-drop-rate",
+        "--kv-events-stall-after",
+        "--kv-events-stall-ms",
+        "--kv-events-restart-after",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
     }
@@ -151,4 +156,119 @@ async fn fault_and_engine_flags_reach_the_server() {
         .unwrap();
     assert_eq!(v["fail_rate"], 1.0);
     child.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn kv_events_flag_publishes_from_the_binary() {
+    use zeromq::{Socket, SocketRecv, SubSocket};
+    let cfg = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0","topic":"kv@bin"}"#;
+    let args = [
+        "--port",
+        "0",
+        "--instant",
+        "--block-size",
+        "16",
+        "--kv-events-config",
+        cfg,
+    ];
+    let (mut child, lines) = start(&args, 1).await;
+    let (url, ep) = lines[0].split_once(" kv_events=").unwrap();
+    assert!(ep.starts_with("tcp://127.0.0.1:"), "{ep}");
+    let c = reqwest::Client::new();
+    let v: serde_json::Value = c
+        .get(format!("{url}/kv_event_sources"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["0"]["endpoint"], ep);
+    assert_eq!(v["0"]["topic"], "kv@bin");
+    assert_eq!(v["0"]["buffer_steps"], 10_000);
+    let mut sub = SubSocket::new();
+    sub.connect(ep).await.unwrap();
+    sub.subscribe("kv@").await.unwrap();
+    // Until the subscription is in place, resets of the idle cache are published unseen.
+    let mut seen = None;
+    for _ in 0..100 {
+        let r = c
+            .post(format!("{url}/reset_prefix_cache"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if let Ok(m) = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await {
+            seen = Some(m.unwrap());
+            break;
+        }
+    }
+    let first = seen.expect("subscribed");
+    assert_eq!(&first.get(0).unwrap()[..], b"kv@bin");
+    let ids: Vec<u32> = (100..116).collect();
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({"prompt": ids, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for _ in 0..100 {
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let payload = m.get(2).unwrap().clone();
+        let v = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+        let events = v.as_array().unwrap()[1].as_array().unwrap().clone();
+        let stored = events.iter().find(|e| {
+            e.as_map()
+                .unwrap()
+                .iter()
+                .any(|(k, v)| k.as_str() == Some("type") && v.as_str() == Some("BlockStored"))
+        });
+        if let Some(e) = stored {
+            let tokens = e
+                .as_map()
+                .unwrap()
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("token_ids"))
+                .map(|(_, v)| {
+                    v.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_u64().unwrap() as u32)
+                        .collect::<Vec<_>>()
+                })
+                .unwrap();
+            assert_eq!(tokens, ids);
+            child.kill().await.unwrap();
+            return;
+        }
+    }
+    panic!("no BlockStored from the binary");
+}
+
+#[tokio::test]
+async fn bad_kv_events_config_is_refused_naming_the_key() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+        .args([
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events":true,"replay":"x"}"#,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("unknown field `replay`"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+        .args(["--kv-events-drop-rate", "0.5"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a kv fault without kv events is a mistake"
+    );
 }

@@ -2,7 +2,8 @@
 //! routers send to their workers, and the `/sim/*` admin endpoints.
 //!
 //! * vLLM: `/v1/models`, `/health`, `/ping`, `/version`, `/metrics`, `/tokenize`,
-//!   `/detokenize`, `/v1/chat/completions/render`, `/v1/completions/render`.
+//!   `/detokenize`, `/v1/chat/completions/render`, `/v1/completions/render`,
+//!   `/kv_event_sources`, `POST /reset_prefix_cache` (a dev-mode route in vLLM; always on here).
 //! * SGLang (what `sglang-router` probes): `/get_model_info`, `/model_info`,
 //!   `/get_server_info`, `/server_info`, `/get_load`.
 //! * Simulator: `GET|POST /sim/faults` (see `faults.rs`), `GET /sim/stats`.
@@ -237,6 +238,47 @@ pub async fn get_load(State(st): State<AppState>) -> Json<Value> {
     }))
 }
 
+/// `GET /kv_event_sources`: the publisher config per data-parallel rank (`{}` without one).
+pub async fn kv_event_sources(State(st): State<AppState>) -> Json<Value> {
+    Json(match &st.kv {
+        Some(kv) => crate::kv_events::sources_json(&kv.resolved),
+        None => json!({}),
+    })
+}
+
+/// `POST /reset_prefix_cache[?reset_running_requests=true]`: `{"success": bool}`; fails while
+/// requests hold blocks unless they are preempted first. Publishes `AllBlocksCleared`.
+/// (`reset_external`, vLLM's connector cache, is accepted and has nothing to act on.)
+pub async fn reset_prefix_cache(
+    State(st): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Value>, ApiError> {
+    let reset_running = query_bool(query.as_deref().unwrap_or(""), "reset_running_requests")?;
+    let ok = st.engine.reset_prefix_cache(reset_running).await;
+    Ok(Json(json!({ "success": ok })))
+}
+
+/// A boolean query parameter as FastAPI reads it (true/false/1/0/yes/no/on/off); absent is
+/// false; other parameters are ignored.
+fn query_bool(query: &str, name: &'static str) -> Result<bool, ApiError> {
+    let Some(v) = query
+        .split('&')
+        .filter_map(|p| p.split_once('=').or(Some((p, ""))))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+    else {
+        return Ok(false);
+    };
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(ApiError::bad_param(
+            format!("{name}: {v:?} is not a valid boolean"),
+            name,
+        )),
+    }
+}
+
 pub async fn get_faults(State(st): State<AppState>) -> Json<Value> {
     Json(json!(st.faults.snapshot()))
 }
@@ -249,7 +291,19 @@ pub async fn post_faults(State(st): State<AppState>, body: Bytes) -> Result<Json
             "fail_rate",
         ));
     }
+    if patch
+        .kv_events_drop_rate
+        .is_some_and(|r| !(0.0..=1.0).contains(&r))
+    {
+        return Err(ApiError::bad_param(
+            "kv_events_drop_rate must be within 0..=1",
+            "kv_events_drop_rate",
+        ));
+    }
     st.faults.apply(&patch);
+    if patch.kv_events_restart {
+        st.engine.restart();
+    }
     Ok(Json(json!(st.faults.snapshot())))
 }
 

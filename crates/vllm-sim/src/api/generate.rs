@@ -32,6 +32,7 @@ use crate::engine::{RequestGuard, Submission};
 use crate::faults::Admission;
 use crate::scheduler::TokenEvent;
 use crate::tokenizer::{filler_piece, filler_text};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// What vLLM puts in `system_fingerprint` (its version and a build hash).
 const FINGERPRINT: &str = "vllm-0.32.0-sim";
@@ -102,12 +103,18 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
         stall: st.faults.first_token_stall(),
         cut: st.faults.cut_stream_after(),
     };
-    let hash_seed = p.model.hash_seed();
+    // vLLM mixes `cache_salt` into the first block's hash: salted prompts share no blocks
+    // with unsalted ones or other salts.
+    let hash_seed = match &p.cache_salt {
+        Some(salt) => xxh3_64_with_seed(salt.as_bytes(), p.model.hash_seed()),
+        None => p.model.hash_seed(),
+    };
     let sub = Submission {
         tokens: p.tokens,
         max_tokens: p.max_tokens,
         hash_seed,
         lora: p.model.lora,
+        cache_salt: p.cache_salt,
     };
     let (guard, rx) = st.engine.submit(sub);
     if p.stream {

@@ -19,6 +19,8 @@ use axum::Router;
 use crate::config::SimConfig;
 use crate::engine::EngineHandle;
 use crate::faults::Faults;
+use crate::kv_events::publisher::PubStats;
+use crate::kv_events::KvEventsConfig;
 use crate::metrics::PageInfo;
 
 /// What every handler can reach (cheap to clone).
@@ -36,6 +38,16 @@ pub struct Inner {
     pub addr: SocketAddr,
     /// `--tokenizer DIR`: the real tokenizer, replacing the stand-in for prompts.
     pub hf: Option<Arc<hf_tokenize::HfTokenizer>>,
+    /// The KV-event publisher, when `--kv-events-config` enables one.
+    pub kv: Option<KvInfo>,
+}
+
+/// What the HTTP layer knows of the KV-event publisher.
+#[derive(Debug)]
+pub struct KvInfo {
+    /// As `/kv_event_sources` reports it.
+    pub resolved: KvEventsConfig,
+    pub stats: Arc<PubStats>,
 }
 
 impl std::ops::Deref for AppState {
@@ -70,6 +82,8 @@ pub fn router(state: AppState) -> Router {
         .route("/get_server_info", get(extra::server_info))
         .route("/server_info", get(extra::server_info))
         .route("/get_load", get(extra::get_load))
+        .route("/kv_event_sources", get(extra::kv_event_sources))
+        .route("/reset_prefix_cache", post(extra::reset_prefix_cache))
         .merge(admin_routes())
         // Long prompts as token-id arrays exceed axum's 2 MB default; vLLM has no such limit.
         .layer(DefaultBodyLimit::max(64 << 20))

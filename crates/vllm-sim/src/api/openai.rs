@@ -58,6 +58,9 @@ pub struct CompletionRequest {
     /// Accepted; the simulator never samples an end-of-sequence token anyway.
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -110,6 +113,9 @@ pub struct ChatRequest {
     pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// Which model a request addressed.
@@ -139,6 +145,7 @@ pub struct Prepared {
     pub max_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
+    pub cache_salt: Option<String>,
 }
 
 /// Resolves the `model` field against the served names and adapters.
@@ -310,6 +317,7 @@ fn finish(
         max_tokens,
         stream,
         include_usage,
+        cache_salt: None,
     })
 }
 
@@ -334,7 +342,7 @@ pub fn prepare_completion(
         _ => prompt_tokens(prompt)?,
     };
     let default = |room: usize| DEFAULT_COMPLETION_TOKENS.min(room as u32);
-    finish(
+    let p = finish(
         st,
         model,
         tokens,
@@ -342,7 +350,11 @@ pub fn prepare_completion(
         default,
         req.stream,
         req.stream_options,
-    )
+    )?;
+    Ok(Prepared {
+        cache_salt: req.cache_salt,
+        ..p
+    })
 }
 
 /// Validates a `/v1/chat/completions` body.
@@ -364,7 +376,7 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest, body: &[u8]) -> Result<Prep
     }
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let default = |room: usize| DEFAULT_CHAT_TOKENS_CAP.min(room as u32);
-    finish(
+    let p = finish(
         st,
         model,
         tokens,
@@ -372,5 +384,9 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest, body: &[u8]) -> Result<Prep
         default,
         req.stream,
         req.stream_options,
-    )
+    )?;
+    Ok(Prepared {
+        cache_salt: req.cache_salt,
+        ..p
+    })
 }
