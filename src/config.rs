@@ -81,6 +81,8 @@ pub struct Config {
     pub profile: Option<String>,
     /// The status page, recent decisions and the explain header.
     pub admin: AdminConfig,
+    /// `[kv_events]`: subscribing to the backends' KV-cache event streams (precise prefix routing).
+    pub kv_events: crate::kv_events::KvEventsConfig,
 }
 
 /// `[admin]`: what `/admin`, `/admin/decisions` and `x-inferlb-explain` keep and show.
@@ -128,6 +130,7 @@ impl Default for Config {
             scheduling_profiles: Vec::new(),
             profile: None,
             admin: AdminConfig::default(),
+            kv_events: crate::kv_events::KvEventsConfig::default(),
         }
     }
 }
@@ -460,6 +463,8 @@ impl BackendDefaults {
             api_key: self.api_key.clone(),
             models: self.models.clone(),
             ca_file: self.ca_file.clone(),
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -554,6 +559,15 @@ pub struct BackendConfig {
     /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
     #[serde(default)]
     pub ca_file: Option<std::path::PathBuf>,
+    /// Its KV-cache event stream: `"tcp://HOST:PORT"` (connect), `"bind:tcp://HOST:PORT"` (the
+    /// engine connects to us), `"auto"` (read its `GET /kv_event_sources`) or `"off"`; unset:
+    /// `kv_events.default`.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its replay endpoint (`"tcp://HOST:PORT"`), asked to resend lost events; unset: found by
+    /// `"auto"` or `kv_events.replay`.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 fn default_engine() -> String {
@@ -568,6 +582,8 @@ impl BackendConfig {
             api_key: None,
             models: None,
             ca_file: None,
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -649,6 +665,8 @@ impl Config {
                     "set on a backend whose URL is not https://",
                 ));
             }
+            crate::kv_events::Source::from_backend(b, &self.kv_events)
+                .map_err(|m| ConfigError::invalid(format!("backends[{i}].kv_events"), m))?;
             if self.engine(&b.engine).is_none() {
                 return Err(ConfigError::invalid(
                     format!("backends[{i}].engine"),
@@ -659,6 +677,7 @@ impl Config {
                 ));
             }
         }
+        self.kv_events.validate()?;
         if self.max_body_bytes == 0 {
             return Err(ConfigError::invalid(
                 "max_body_bytes",
