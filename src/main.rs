@@ -45,6 +45,10 @@ struct Cli {
     /// Largest accepted request body in bytes (overrides `max_body_bytes`).
     #[arg(long)]
     max_body_bytes: Option<usize>,
+    /// KV-event streams of backends without their own `kv_events`: `off`, `auto` or `port+N`
+    /// (overrides `kv_events.default`).
+    #[arg(long, value_name = "MODE")]
+    kv_events: Option<String>,
     /// Validate the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -86,6 +90,9 @@ impl Cli {
         }
         if let Some(v) = self.max_body_bytes {
             config.max_body_bytes = v;
+        }
+        if let Some(v) = self.kv_events {
+            config.kv_events.default = v;
         }
         Ok(config)
     }

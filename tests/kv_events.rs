@@ -135,14 +135,28 @@ fn removed(hashes: &[u64]) -> Event {
 
 /// Write a config naming `backends` with their publishers and start the binary with it.
 fn router(dir: &std::path::Path, name: &str, backends: &[(&FakeBackend, u16)]) -> Running {
+    let with: Vec<_> = backends.iter().map(|(b, p)| (*b, *p, None)).collect();
+    router_with(dir, name, &with)
+}
+
+/// [`router`], with a replay port per backend.
+fn router_with(
+    dir: &std::path::Path,
+    name: &str,
+    backends: &[(&FakeBackend, u16, Option<u16>)],
+) -> Running {
     let mut text = String::from(
         "[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 600\ninflight_ms = 300\n\n",
     );
-    for (b, port) in backends {
+    for (b, port, replay) in backends {
         text.push_str(&format!(
-            "[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\nkv_events = \"tcp://127.0.0.1:{port}\"\n\n",
+            "[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\nkv_events = \"tcp://127.0.0.1:{port}\"\n",
             b.url()
         ));
+        if let Some(r) = replay {
+            text.push_str(&format!("kv_events_replay = \"tcp://127.0.0.1:{r}\"\n"));
+        }
+        text.push('\n');
     }
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
@@ -360,4 +374,114 @@ async fn two_replicas_on_the_same_streams_route_a_shared_prefix_alike() {
     }
     stop(r1);
     stop(r2);
+}
+
+/// A vLLM-like replay socket (ROUTER): answers `[b"", start_seq]` with the buffered messages
+/// from `start_seq` on, then the end marker (seq -1, empty payload). Returns its port and a
+/// count of the requests it answered.
+async fn replay_server(
+    buffered: Vec<(u64, Vec<Event>)>,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use zeromq::{RouterSocket, SocketRecv};
+    let mut socket = RouterSocket::new();
+    let port = match socket.bind("tcp://127.0.0.1:0").await.unwrap() {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("{other:?}"),
+    };
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = std::sync::Arc::clone(&asked);
+    tokio::spawn(async move {
+        while let Ok(msg) = socket.recv().await {
+            let frames = msg.into_vec();
+            let identity = frames[0].clone();
+            let start = u64::from_be_bytes(frames.last().unwrap()[..].try_into().unwrap());
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            for (seq, events) in buffered.iter().filter(|(s, _)| *s >= start) {
+                let mut out = ZmqMessage::from(identity.clone());
+                out.push_back(Bytes::new());
+                out.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+                out.push_back(Bytes::from(encode::payload(0.0, events)));
+                socket.send(out).await.unwrap();
+            }
+            let mut end = ZmqMessage::from(identity.clone());
+            end.push_back(Bytes::new());
+            end.push_back(Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
+            end.push_back(Bytes::new());
+            socket.send(end).await.unwrap();
+        }
+    });
+    (port, asked)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_replayed_when_possible_and_makes_the_backend_unsure_otherwise() {
+    let a = FakeBackend::start("a", &["m"]).await;
+    let b = FakeBackend::start("b", &["m"]).await;
+    let mut pa = Publisher::bind(0).await;
+    let mut pb = Publisher::bind(0).await;
+    // Message 1 of `a` is lost on the live stream but still in its replay buffer.
+    let lost = vec![stored(300, None, &prompt(30, 2))];
+    let (replay, asked) = replay_server(vec![(1, lost)]).await;
+    let dir = tempdir("gap");
+    let r = router_with(
+        &dir,
+        "r",
+        &[(&a, pa.port, Some(replay)), (&b, pb.port, None)],
+    );
+    let addr = r.addr.clone();
+    until_healthy(&addr, 2).await;
+    pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 1))])
+        .await;
+    pb.hello(&addr, &b.url(), &[stored(1, None, &prompt(91, 1))])
+        .await;
+    pa.seq = 2;
+    pa.send(&[stored(400, None, &prompt(40, 1))]).await;
+    until_kv(&addr, &a.url(), |k| k["last_seq"] == 2).await;
+    let v = admin_at(&addr).await;
+    let k = kv(&v, &a.url());
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(k["blocks"], 4, "hello 1 + replayed 2 + live 1: {k}");
+    assert_eq!((k["gaps"].as_u64(), k["status"].as_str()), (Some(1), Some("live")));
+    // `b` has no replay endpoint: the same gap leaves it unsure, visibly.
+    pb.seq = 2;
+    pb.send(&[stored(400, None, &prompt(40, 1))]).await;
+    until_kv(&addr, &b.url(), |k| k["status"] == "unsure").await;
+    let m = metrics_at(&addr).await;
+    assert!(
+        m.contains("inferlb_kv_event_streams{state=\"unsure\"} 1"),
+        "{m}"
+    );
+    stop(r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_auto_reads_the_backends_kv_event_sources() {
+    let a = FakeBackend::start("a", &["m"]).await;
+    let mut pa = Publisher::bind(0).await;
+    // As vLLM answers it: the endpoint with `*` (it binds; the router connects to the
+    // backend's host).
+    *a.state.kv_sources.lock().unwrap() = Some(format!(
+        r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{}","replay_endpoint":"","topic":"kv@test"}}}}"#,
+        pa.port
+    ));
+    let dir = tempdir("auto");
+    let path = dir.join("auto.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\n",
+            a.url()
+        ),
+    )
+    .unwrap();
+    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    let addr = r.addr.clone();
+    until_healthy(&addr, 1).await;
+    pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 3))])
+        .await;
+    until_kv(&addr, &a.url(), |k| {
+        k["blocks"] == 3 && k["endpoint"] == format!("tcp://127.0.0.1:{}", pa.port)
+    })
+    .await;
+    stop(r);
 }

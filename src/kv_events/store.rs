@@ -307,7 +307,6 @@ impl BlockStore {
 
     /// Events were lost and cannot be replayed: approximate until the cache turned over.
     pub fn mark_unsure(&self) {
-        self.stats.gaps.fetch_add(1, Ordering::Relaxed);
         self.lock().since_unsure = 0;
         self.status.store(UNSURE, Ordering::Release);
     }
@@ -332,6 +331,11 @@ impl BlockStore {
         self.pending.clear_sync();
         self.pending_len.store(0, Ordering::Relaxed);
         self.held_len.store(0, Ordering::Relaxed);
+    }
+
+    /// Count a gap in the sequence (replayed or not).
+    pub fn note_gap(&self) {
+        self.stats.gaps.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Count a message that could not be decoded.

@@ -267,6 +267,7 @@ impl Subscribers {
         until: u64,
     ) {
         metrics::counter!(t::KV_EVENT_GAPS).increment(1);
+        store.note_gap();
         let Some(replay) = replay else {
             tracing::info!(backend = %backend.name, from, until, "KV events lost and no replay endpoint: unsure until the cache turns over");
             store.mark_unsure();

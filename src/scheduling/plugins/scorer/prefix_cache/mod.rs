@@ -407,13 +407,13 @@ impl Scorer for PrefixCacheScorer {
             match exact {
                 Some((held, blocks, bs)) if *blocks > 0 => {
                     any = true;
-                    let chars = (*held * *bs) as f64 * self.params.chars_per_token;
+                    let chars = held.saturating_mul(*bs) as f64 * self.params.chars_per_token;
                     *slot = formula(*held, *blocks, chars);
                 }
                 Some(_) => {}
                 None if n > 0 => {
                     any = true;
-                    *slot = formula(*m, n, (*m * self.params.block_size) as f64);
+                    *slot = formula(*m, n, m.saturating_mul(self.params.block_size) as f64);
                 }
                 None => {}
             }
