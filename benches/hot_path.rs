@@ -245,7 +245,9 @@ fn kv_ingest(c: &mut Criterion) {
 fn precise_decision(c: &mut Criterion) {
     use inferlb::kv_events::wire::{Event, Medium, Stored};
     let (scheduler, _) = fleet(64, 1, 1_000);
-    let ids: Vec<u32> = (0..32_768u32).map(|t| t.wrapping_mul(2_654_435_761) % 128_000).collect();
+    let ids: Vec<u32> = (0..32_768u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 128_000)
+        .collect();
     for (i, b) in scheduler.pool().backends().iter().enumerate() {
         let blocks = (i * 32).min(2_048);
         b.kv().turn_on(3_600_000, "bench".into());

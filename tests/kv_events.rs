@@ -45,7 +45,11 @@ impl Publisher {
     async fn rebind(port: u16) -> Publisher {
         for _ in 0..100 {
             let mut socket = PubSocket::new();
-            if socket.bind(&format!("tcp://127.0.0.1:{port}")).await.is_ok() {
+            if socket
+                .bind(&format!("tcp://127.0.0.1:{port}"))
+                .await
+                .is_ok()
+            {
                 return Publisher {
                     socket,
                     port,
@@ -221,7 +225,9 @@ async fn until_healthy(router: &str, n: usize) {
 }
 
 fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BS) as u32).map(|i| seed * 100_000 + i).collect()
+    (0..(blocks * BS) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +364,9 @@ async fn two_replicas_on_the_same_streams_route_a_shared_prefix_alike() {
     let shared: Vec<Vec<u32>> = (0..6).map(|i| prompt(40 + i, 4)).collect();
     for (i, p) in shared.iter().enumerate() {
         let publisher = if i % 2 == 0 { &mut pa } else { &mut pb };
-        publisher.send(&[stored(1000 + 10 * i as u64, None, p)]).await;
+        publisher
+            .send(&[stored(1000 + 10 * i as u64, None, p)])
+            .await;
     }
     until_kv(&x1, &a.url(), |k| k["blocks"] == 13).await;
     until_kv(&x2, &b.url(), |k| k["blocks"] == 13).await;
@@ -441,7 +449,10 @@ async fn a_gap_is_replayed_when_possible_and_makes_the_backend_unsure_otherwise(
     let k = kv(&v, &a.url());
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(k["blocks"], 4, "hello 1 + replayed 2 + live 1: {k}");
-    assert_eq!((k["gaps"].as_u64(), k["status"].as_str()), (Some(1), Some("live")));
+    assert_eq!(
+        (k["gaps"].as_u64(), k["status"].as_str()),
+        (Some(1), Some("live"))
+    );
     // `b` has no replay endpoint: the same gap leaves it unsure, visibly.
     pb.seq = 2;
     pb.send(&[stored(400, None, &prompt(40, 1))]).await;

@@ -119,7 +119,9 @@ impl Rule {
         }
         let e = Endpoint::parse(text)?;
         if replay && e.bind {
-            return Err(format!("`{text}`: a replay endpoint is always connected to"));
+            return Err(format!(
+                "`{text}`: a replay endpoint is always connected to"
+            ));
         }
         Ok(Rule::Endpoint(e))
     }
@@ -174,7 +176,9 @@ pub enum Source {
     Off,
     /// Read the backend's `/kv_event_sources`; `replay` says whether to use its replay endpoint
     /// (or gives one).
-    Auto { replay: Option<ReplayRule> },
+    Auto {
+        replay: Option<ReplayRule>,
+    },
     Fixed {
         stream: Endpoint,
         replay: Option<Endpoint>,
@@ -201,9 +205,9 @@ impl Source {
         };
         let host_port = || -> Result<(String, u16), String> {
             let (_, authority) = crate::endpoints::parse_base_url(&b.url)?;
-            let port = authority.port_u16().unwrap_or(
-                if b.url.starts_with("https") { 443 } else { 80 },
-            );
+            let port = authority
+                .port_u16()
+                .unwrap_or(if b.url.starts_with("https") { 443 } else { 80 });
             Ok((authority.host().to_owned(), port))
         };
         let fixed_replay = |rule: &Rule| -> Result<Option<Endpoint>, String> {

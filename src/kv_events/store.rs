@@ -209,7 +209,8 @@ impl BlockStore {
             _ => Status::Live,
         };
         let since = self.expect_since.load(Ordering::Acquire);
-        if since != 0 && now.saturating_add(1).saturating_sub(since) > self.quiet_ms.load(Ordering::Relaxed)
+        if since != 0
+            && now.saturating_add(1).saturating_sub(since) > self.quiet_ms.load(Ordering::Relaxed)
         {
             return Status::Silent;
         }
@@ -278,7 +279,8 @@ impl BlockStore {
             return;
         }
         self.pending.retain_sync(|_, deadline| *deadline > now);
-        self.pending_len.store(self.pending.len(), Ordering::Relaxed);
+        self.pending_len
+            .store(self.pending.len(), Ordering::Relaxed);
     }
 
     /// The backend's `num_gpu_blocks`, when known (bounds the store).
@@ -371,7 +373,10 @@ impl BlockStore {
         }
         self.evict_over_capacity(&mut ingest);
         if self.status.load(Ordering::Relaxed) == UNSURE
-            && ingest.since_unsure >= ingest.capacity().min(ingest.gpu_blocks.unwrap_or(usize::MAX))
+            && ingest.since_unsure
+                >= ingest
+                    .capacity()
+                    .min(ingest.gpu_blocks.unwrap_or(usize::MAX))
         {
             // Every block the cache had when events were lost has been replaced since.
             self.status.store(LIVE, Ordering::Release);
@@ -466,15 +471,17 @@ impl BlockStore {
             let Some((key, generation)) = ingest.order.pop_front() else {
                 break;
             };
-            if ingest.by_vllm.get(&key).is_some_and(|(_, g)| *g == generation) {
+            if ingest
+                .by_vllm
+                .get(&key)
+                .is_some_and(|(_, g)| *g == generation)
+            {
                 self.remove(ingest, key);
             }
         }
         // Entries removed by events leave stale order entries: compact now and then.
         if ingest.order.len() > cap.saturating_mul(2).saturating_add(1024) {
-            let Ingest {
-                order, by_vllm, ..
-            } = ingest;
+            let Ingest { order, by_vllm, .. } = ingest;
             order.retain(|(key, g)| by_vllm.get(key).is_some_and(|(_, cur)| cur == g));
         }
     }

@@ -69,8 +69,7 @@ impl Subscribers {
 
     async fn supervise(self, mut shutdown: watch::Receiver<bool>) {
         let mut loops = tokio::task::JoinSet::new();
-        let mut running: HashMap<usize, (tokio::task::AbortHandle, Arc<Backend>)> =
-            HashMap::new();
+        let mut running: HashMap<usize, (tokio::task::AbortHandle, Arc<Backend>)> = HashMap::new();
         let mut changes = self.pool.changes();
         loop {
             let members = self.pool.backends();

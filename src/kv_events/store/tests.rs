@@ -145,7 +145,11 @@ fn in_flight_blocks_count_briefly_and_silence_is_noticed() {
     assert_eq!(s.matched(&c, 120), 2, "in flight");
     assert_eq!(s.matched(&c, 151), 0, "expired");
     assert_eq!(s.status(1_000), Status::Live);
-    assert_eq!(s.status(1_200), Status::Silent, "sent at 100, nothing heard for 1 s");
+    assert_eq!(
+        s.status(1_200),
+        Status::Silent,
+        "sent at 100, nothing heard for 1 s"
+    );
     s.apply(0, &[], 1_200);
     assert_eq!(s.status(1_201), Status::Live, "events flow again");
     s.purge_pending(151);

@@ -58,7 +58,13 @@ fn every_frame_of_the_real_capture_decodes_as_its_twin_says() {
                     assert_eq!(s.lora_name, None);
                     assert!(s.extra_keys.is_empty(), "all-nil extra keys fold to none");
                 }
-                (Event::Removed { block_hashes, medium }, "BlockRemoved") => {
+                (
+                    Event::Removed {
+                        block_hashes,
+                        medium,
+                    },
+                    "BlockRemoved",
+                ) => {
                     removed += 1;
                     assert_eq!(*block_hashes, hashes);
                     assert_eq!(*medium, Medium::Gpu);
@@ -69,11 +75,17 @@ fn every_frame_of_the_real_capture_decodes_as_its_twin_says() {
     }
     assert_eq!((stored, removed), (28, 105));
     // Some of vLLM's hashes exceed i64::MAX: read as u64.
-    assert!(twin.iter().any(|m| m["payload"][1]
-        .as_array()
-        .unwrap()
+    assert!(twin
         .iter()
-        .any(|e| e["block_hashes"].as_array().unwrap().iter().any(|h| h.as_u64().unwrap() > i64::MAX as u64))));
+        .any(|m| m["payload"][1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["block_hashes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|h| h.as_u64().unwrap() > i64::MAX as u64))));
 }
 
 #[test]

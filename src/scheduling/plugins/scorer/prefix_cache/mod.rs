@@ -64,12 +64,12 @@ use serde::Deserialize;
 
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
+use crate::kv_events::chain::prompt_chain;
+use crate::kv_events::store::{now_ms, Status};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};
 use crate::telemetry as t;
-use crate::kv_events::chain::prompt_chain;
-use crate::kv_events::store::{now_ms, Status};
 use index::{block_hashes, PrefixIndex};
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -336,7 +336,8 @@ impl Plugin for PrefixCacheScorer {
             }
         };
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
-            if let Some((_, chain, held)) = scratch.precise.iter().find(|(id, _, _)| *id == backend.id)
+            if let Some((_, chain, held)) =
+                scratch.precise.iter().find(|(id, _, _)| *id == backend.id)
             {
                 if let Some(chain) = scratch.chains.get(*chain) {
                     backend
