@@ -192,5 +192,96 @@ fn membership(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, decision, metrics_page, membership);
+/// `n` BlockStored events of `blocks` blocks of `bs` tokens each, encoded as vLLM 0.32 does.
+fn stored_batch(n: usize, blocks: usize, bs: usize, seed: u64) -> Vec<u8> {
+    use inferlb::kv_events::wire::{encode, Event, Medium, Stored};
+    let events: Vec<Event> = (0..n)
+        .map(|e| {
+            let base = seed * 1_000_000 + (e * blocks) as u64;
+            Event::Stored(Stored {
+                block_hashes: (0..blocks as u64).map(|i| base + i).collect(),
+                parent: None,
+                token_ids: (0..(blocks * bs) as u32)
+                    .map(|t| (t.wrapping_mul(2_654_435_761) ^ base as u32) % 128_000)
+                    .collect(),
+                block_size: bs as u32,
+                lora_name: None,
+                medium: Medium::Gpu,
+                extra_keys: Vec::new(),
+            })
+        })
+        .collect();
+    encode::payload(0.0, &events)
+}
+
+/// Decoding and applying KV-event messages on one backend's store (the subscriber's work).
+fn kv_ingest(c: &mut Criterion) {
+    use inferlb::kv_events::store::BlockStore;
+    use inferlb::kv_events::wire::decode_payload;
+    let mut g = c.benchmark_group("kv_ingest");
+    for bs in [16usize, 128] {
+        // 32 events of 16 blocks per message; 64 different messages, applied in turn to a
+        // store bounded at 100k blocks (so eviction runs too).
+        let messages: Vec<Vec<u8>> = (0..64).map(|m| stored_batch(32, 16, bs, m)).collect();
+        let store = BlockStore::default();
+        store.turn_on(10_000, "bench".into());
+        store.set_gpu_blocks(Some(100_000));
+        let mut seq = 0u64;
+        g.throughput(Throughput::Elements(32 * 16));
+        g.bench_function(BenchmarkId::new("decode_apply_blocks", bs), |b| {
+            b.iter(|| {
+                let m = &messages[(seq % 64) as usize];
+                let batch = decode_payload(seq, m).unwrap();
+                store.apply(seq, &batch.events, 0);
+                seq += 1;
+            })
+        });
+    }
+    g.finish();
+}
+
+/// A full decision with precise data: 64 backends with live streams, each holding a different
+/// share of a 32k-token prompt's blocks (block size 16), the request given as token ids.
+fn precise_decision(c: &mut Criterion) {
+    use inferlb::kv_events::wire::{Event, Medium, Stored};
+    let (scheduler, _) = fleet(64, 1, 1_000);
+    let ids: Vec<u32> = (0..32_768u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 128_000)
+        .collect();
+    for (i, b) in scheduler.pool().backends().iter().enumerate() {
+        let blocks = (i * 32).min(2_048);
+        b.kv().turn_on(3_600_000, "bench".into());
+        b.kv().apply(
+            0,
+            &[Event::Stored(Stored {
+                block_hashes: (0..blocks as u64).map(|h| (i as u64) << 32 | h).collect(),
+                parent: None,
+                token_ids: ids[..blocks * 16].to_vec(),
+                block_size: 16,
+                lora_name: None,
+                medium: Medium::Gpu,
+                extra_keys: Vec::new(),
+            })],
+            0,
+        );
+    }
+    let body = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+    let view = RequestView::parse(Operation::Completions, body.as_bytes()).unwrap();
+    assert!(view.tokens.is_some());
+    let mut g = c.benchmark_group("precise_decision");
+    g.bench_function(BenchmarkId::new("32k_tokens", 64), |b| {
+        b.iter(|| black_box(decide(&scheduler, &view)))
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    hashing,
+    decision,
+    metrics_page,
+    membership,
+    kv_ingest,
+    precise_decision
+);
 criterion_main!(benches);

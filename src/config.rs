@@ -83,6 +83,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// Hugging Face tokenizers: the token ids vLLM will compute, per model.
     pub tokenization: TokenizationConfig,
+    /// `[kv_events]`: subscribing to the backends' KV-cache event streams (precise prefix routing).
+    pub kv_events: crate::kv_events::KvEventsConfig,
 }
 
 /// `[tokenization]`: which models get in-process tokenization (chat template + tokenizer).
@@ -158,6 +160,7 @@ impl Default for Config {
             profile: None,
             admin: AdminConfig::default(),
             tokenization: TokenizationConfig::default(),
+            kv_events: crate::kv_events::KvEventsConfig::default(),
         }
     }
 }
@@ -490,6 +493,8 @@ impl BackendDefaults {
             api_key: self.api_key.clone(),
             models: self.models.clone(),
             ca_file: self.ca_file.clone(),
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -584,6 +589,15 @@ pub struct BackendConfig {
     /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
     #[serde(default)]
     pub ca_file: Option<std::path::PathBuf>,
+    /// Its KV-cache event stream: `"tcp://HOST:PORT"` (connect), `"bind:tcp://HOST:PORT"` (the
+    /// engine connects to us), `"auto"` (read its `GET /kv_event_sources`) or `"off"`; unset:
+    /// `kv_events.default`.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its replay endpoint (`"tcp://HOST:PORT"`), asked to resend lost events; unset: found by
+    /// `"auto"` or `kv_events.replay`.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 fn default_engine() -> String {
@@ -598,6 +612,8 @@ impl BackendConfig {
             api_key: None,
             models: None,
             ca_file: None,
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -679,6 +695,8 @@ impl Config {
                     "set on a backend whose URL is not https://",
                 ));
             }
+            crate::kv_events::Source::from_backend(b, &self.kv_events)
+                .map_err(|m| ConfigError::invalid(format!("backends[{i}].kv_events"), m))?;
             if self.engine(&b.engine).is_none() {
                 return Err(ConfigError::invalid(
                     format!("backends[{i}].engine"),
@@ -689,6 +707,7 @@ impl Config {
                 ));
             }
         }
+        self.kv_events.validate()?;
         if self.max_body_bytes == 0 {
             return Err(ConfigError::invalid(
                 "max_body_bytes",

@@ -28,6 +28,8 @@
 //!
 //! * [`endpoints`] — the backend pool, the per-backend poller of `/metrics` and `/v1/models`,
 //!   the Prometheus text parser, and the immutable per-backend snapshots scorers read.
+//! * [`kv_events`] — per backend, a ZeroMQ subscriber to its KV-cache events and the store of
+//!   the token blocks it truly holds, read by the prefix scorer (precise prefix routing).
 //! * [`config`] — the TOML configuration, its defaults and validation.
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
@@ -37,6 +39,7 @@ pub mod endpoints;
 pub mod error;
 pub mod forward;
 pub mod front_door;
+pub mod kv_events;
 pub mod prompt;
 pub mod reload;
 pub mod scheduling;
@@ -112,6 +115,10 @@ pub async fn run_reloadable(
     let poller = Poller::new(Arc::clone(&pool), config.poller.clone());
     poller.first_pass().await;
     poller.spawn(stop_rx.clone());
+    // KV-event subscribers follow membership on a thread of their own; `[kv_events]` is read
+    // at start-up (a reload does not change it).
+    kv_events::subscriber::Subscribers::new(Arc::clone(&pool), config.kv_events.clone())
+        .spawn(stop_rx.clone());
     if let Some(handle) = metrics.clone() {
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {

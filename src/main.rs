@@ -49,6 +49,10 @@ struct Cli {
     /// token ids (overrides `tokenization.dir`).
     #[arg(long, value_name = "DIR")]
     tokenizer: Option<PathBuf>,
+    /// KV-event streams of backends without their own `kv_events`: `off`, `auto` or `port+N`
+    /// (overrides `kv_events.default`).
+    #[arg(long, value_name = "MODE")]
+    kv_events: Option<String>,
     /// Validate the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -93,6 +97,9 @@ impl Cli {
         }
         if let Some(v) = self.tokenizer {
             config.tokenization.dir = Some(v);
+        }
+        if let Some(v) = self.kv_events {
+            config.kv_events.default = v;
         }
         Ok(config)
     }

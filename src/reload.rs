@@ -108,5 +108,6 @@ fn restart_only(old: &Config, next: &Config) -> Vec<String> {
         "forward.response_timeout_ms",
         old.forward.response_timeout_ms == next.forward.response_timeout_ms,
     );
+    differs("kv_events", old.kv_events == next.kv_events);
     notes
 }

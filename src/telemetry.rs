@@ -44,6 +44,12 @@ pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
+pub const KV_STREAMS: &str = "inferlb_kv_event_streams";
+pub const KV_EVENT_MESSAGES: &str = "inferlb_kv_event_messages_total";
+pub const KV_EVENT_ERRORS: &str = "inferlb_kv_event_errors_total";
+pub const KV_EVENT_GAPS: &str = "inferlb_kv_event_gaps_total";
+pub const KV_EVENT_RESETS: &str = "inferlb_kv_event_resets_total";
+pub const KV_PRECISE_DECISIONS: &str = "inferlb_prefix_precise_candidates_total";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -74,6 +80,12 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
     (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
+    (KV_STREAMS, "Member backends by KV-event stream status (off, live, unsure, silent); only live streams are used for precise prefix scoring."),
+    (KV_EVENT_MESSAGES, "KV-event messages applied (live and replayed), over all backends."),
+    (KV_EVENT_ERRORS, "KV-event messages dropped, by kind (frames, too_large, decode)."),
+    (KV_EVENT_GAPS, "Gaps in a backend's KV-event sequence (lost messages), replayed or not."),
+    (KV_EVENT_RESETS, "KV-event sequences that went backwards (engine restarts): that backend's block store was cleared."),
+    (KV_PRECISE_DECISIONS, "Candidates scored by the prefix scorer, by source (precise: from the backend's KV events; approximate: from the router's own index)."),
 ];
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();

@@ -45,6 +45,10 @@ struct Entry {
     models: Option<Vec<String>>,
     #[serde(default)]
     ca_file: Option<PathBuf>,
+    #[serde(default)]
+    kv_events: Option<String>,
+    #[serde(default)]
+    kv_events_replay: Option<String>,
 }
 
 impl Entry {
@@ -55,6 +59,8 @@ impl Entry {
             api_key: self.api_key.or_else(|| d.api_key.clone()),
             models: self.models.or_else(|| d.models.clone()),
             ca_file: self.ca_file.or_else(|| d.ca_file.clone()),
+            kv_events: self.kv_events,
+            kv_events_replay: self.kv_events_replay,
         }
     }
 }

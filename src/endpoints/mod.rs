@@ -172,6 +172,8 @@ pub struct Backend {
     draining: AtomicBool,
     /// Returns `id` to the pool's free list when the last reference goes.
     release: Option<Arc<membership::SlotIds>>,
+    /// The blocks its KV-event stream reports (empty and `off` without a stream).
+    kv: crate::kv_events::store::BlockStore,
 }
 
 fn next_uid() -> usize {
@@ -253,6 +255,7 @@ impl Backend {
             inflight: AtomicU64::new(0),
             passive: passive::PassiveHealth::default(),
             waiters,
+            kv: Default::default(),
         })
     }
 
@@ -269,6 +272,11 @@ impl Backend {
     /// Publish a new state (poller only).
     pub fn publish(&self, state: BackendState) {
         self.state.store(Arc::new(state));
+    }
+
+    /// What its KV-event stream says its cache holds (see [`crate::kv_events`]).
+    pub fn kv(&self) -> &crate::kv_events::store::BlockStore {
+        &self.kv
     }
 
     /// Outlier detection from forwarding results.

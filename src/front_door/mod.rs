@@ -361,6 +361,7 @@ async fn ready(State(app): State<Arc<AppState>>) -> Response {
 
 async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
     app.pool.count_states();
+    crate::kv_events::subscriber::count_streams(&app.pool);
     app.service.refresh_metrics();
     match &app.metrics {
         Some(handle) => (
@@ -430,6 +431,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "last_error": s.last_error,
                 "models": s.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
                 "metrics": metrics,
+                "kv_events": b.kv().admin_json(crate::kv_events::store::now_ms()),
             })
         })
         .collect();

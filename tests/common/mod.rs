@@ -70,6 +70,8 @@ pub struct FakeState {
     /// such path: a router that lets a client steer it elsewhere shows up here.
     pub stray: std::sync::atomic::AtomicU64,
     pub last_stray: Mutex<Option<String>>,
+    /// `GET /kv_event_sources` answers this JSON (404 while unset), as vLLM with KV events does.
+    pub kv_sources: Mutex<Option<String>>,
 }
 
 pub struct FakeBackend {
@@ -101,6 +103,7 @@ fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
         tls_failures: 0.into(),
         stray: 0.into(),
         last_stray: Mutex::new(None),
+        kv_sources: Mutex::new(None),
     })
 }
 
@@ -111,6 +114,7 @@ fn fake_app(state: &Arc<FakeState>) -> Router {
         // has none (the poller falls back to `/metrics`).
         .route("/metrics/", get(StatusCode::NOT_FOUND))
         .route("/v1/models", get(list_models))
+        .route("/kv_event_sources", get(kv_sources))
         .route("/v1/chat/completions", post(complete))
         .route("/v1/completions", post(complete))
         .route("/v1/embeddings", post(complete))
@@ -264,6 +268,13 @@ async fn list_models(State(s): State<Arc<FakeState>>) -> Response {
         .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "vllm", "root": m}))
         .collect();
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+async fn kv_sources(State(s): State<Arc<FakeState>>) -> Response {
+    match s.kv_sources.lock().unwrap().clone() {
+        Some(json) => ([("content-type", "application/json")], json).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn complete(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Bytes) -> Response {

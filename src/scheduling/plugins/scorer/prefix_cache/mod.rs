@@ -29,6 +29,30 @@
 //! `vllm:cache_config_info`) × `chars_per_token` ÷ `block_size` characters, falling back to
 //! `fallback_capacity` blocks while the geometry is unknown. When a backend's cache may have
 //! been wiped (restart, re-admission: its state epoch changes) its records are purged.
+//!
+//! # Precise scoring (KV events)
+//!
+//! When a candidate's KV-event stream is `live` (see [`crate::kv_events`]) and the request has
+//! token ids (`RequestView.tokens`), the candidate is scored by what its cache truly holds
+//! instead: the prompt's tokens are chain-hashed at the block size its events report
+//! ([`crate::kv_events::chain`]; the LoRA adapter name mixed in when the requested model is an
+//! adapter on that backend, the `cache_salt` into the first block), and with `m` of the `n`
+//! full blocks held consecutively from the first
+//!
+//! ```text
+//! ratio  = m / n
+//! length = min(1, m · block_size · chars_per_token / long_match_chars)
+//! ```
+//!
+//! in the same formula as above, so precise and approximate candidates compare on one scale
+//! in a mixed fleet (the approximate index keeps recording every pick, so a backend whose
+//! stream falls silent or unsure is scored by it at once). Blocks just sent to a backend count
+//! as held there for `kv_events.inflight_ms`, so a burst of requests with the same new prefix
+//! is not sprayed across the fleet before the first event arrives.
+//!
+//! One scorer rather than a second `precise-prefix-cache-scorer`: the choice between the two
+//! sources is per candidate (mixed fleets), and two scorers in one profile would each need the
+//! other's answer to stay on one scale; `precise = false` turns the precise source off.
 
 pub mod index;
 mod lru;
@@ -40,6 +64,8 @@ use serde::Deserialize;
 
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
+use crate::kv_events::chain::prompt_chain;
+use crate::kv_events::store::{now_ms, Status};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};
@@ -70,6 +96,12 @@ struct Params {
     long_match_chars: usize,
     max_blocks: usize,
     room_weight: f64,
+    /// Score candidates with a live KV-event stream by the blocks they report.
+    precise: bool,
+    /// Most token blocks of a prompt matched precisely.
+    precise_max_blocks: usize,
+    /// How long blocks sent to a backend count as held before its events confirm them.
+    inflight_ms: u64,
 }
 
 impl Default for Params {
@@ -84,6 +116,9 @@ impl Default for Params {
             long_match_chars: 32_768,
             max_blocks: 4_096,
             room_weight: 1.0,
+            precise: true,
+            precise_max_blocks: 8_192,
+            inflight_ms: 2_000,
         }
     }
 }
@@ -94,6 +129,28 @@ struct Scratch {
     hashes: Vec<u64>,
     /// (backend id, matched blocks) for each candidate of the last scoring.
     matched: Vec<(usize, usize)>,
+    /// Token-block chains by (block size, LoRA adapter), computed once per request.
+    chains: Vec<Chain>,
+    /// (backend id, chain index, blocks held) for each candidate scored precisely.
+    precise: Vec<(usize, usize, usize)>,
+}
+
+struct Chain {
+    block_size: usize,
+    lora: Option<String>,
+    hashes: Vec<u64>,
+}
+
+/// The LoRA adapter the request names on this backend: its model entry has a `parent`.
+fn lora_of<'a>(request: &'a RequestView, candidate: &Candidate<'_>) -> Option<&'a str> {
+    let model = request.model.as_deref()?;
+    candidate
+        .state
+        .models
+        .iter()
+        .find(|m| m.id == model)
+        .filter(|m| m.object.get("parent").is_some_and(|p| p.is_string()))
+        .map(|_| model)
 }
 
 pub struct PrefixCacheScorer {
@@ -125,6 +182,12 @@ impl PrefixCacheScorer {
         }
         if !(params.chars_per_token > 0.0 && params.chars_per_token.is_finite()) {
             return Err(ConfigError::invalid(field, "chars_per_token must be > 0"));
+        }
+        if params.precise_max_blocks == 0 || params.inflight_ms == 0 {
+            return Err(ConfigError::invalid(
+                field,
+                "precise_max_blocks and inflight_ms must be > 0",
+            ));
         }
         if params.capacity == Capacity::Blocks(0) {
             return Err(ConfigError::invalid(
@@ -178,6 +241,69 @@ impl PrefixCacheScorer {
     pub fn index(&self) -> &PrefixIndex {
         &self.index
     }
+
+    /// The index into `chains` of the request's chain at `block_size` for `lora`.
+    fn chain(
+        &self,
+        request: &RequestView,
+        chains: &mut Vec<Chain>,
+        block_size: usize,
+        lora: Option<&str>,
+    ) -> Option<usize> {
+        let tokens = request.tokens.as_deref()?;
+        if let Some(i) = chains
+            .iter()
+            .position(|c| c.block_size == block_size && c.lora.as_deref() == lora)
+        {
+            return Some(i);
+        }
+        let mut hashes = Vec::with_capacity(
+            (tokens.ids.len() / block_size.max(1)).min(self.params.precise_max_blocks),
+        );
+        prompt_chain(
+            &tokens.ids,
+            block_size,
+            lora,
+            tokens.cache_salt.as_deref(),
+            self.params.precise_max_blocks,
+            &mut hashes,
+        );
+        chains.push(Chain {
+            block_size,
+            lora: lora.map(str::to_owned),
+            hashes,
+        });
+        Some(chains.len() - 1)
+    }
+
+    /// Score the candidates whose stream is live precisely: `Some((held, blocks, block_size))`.
+    fn precise_matches(
+        &self,
+        request: &RequestView,
+        candidates: &[Candidate<'_>],
+        chains: &mut Vec<Chain>,
+        precise: &mut Vec<(usize, usize, usize)>,
+    ) -> Vec<Option<(usize, usize, usize)>> {
+        let mut out = vec![None; candidates.len()];
+        if !self.params.precise || request.tokens.is_none() {
+            return out;
+        }
+        let now = now_ms();
+        for (slot, c) in out.iter_mut().zip(candidates) {
+            let kv = c.backend.kv();
+            let block_size = kv.block_size();
+            if block_size == 0 || kv.status(now) != Status::Live {
+                continue;
+            }
+            let Some(i) = self.chain(request, chains, block_size, lora_of(request, c)) else {
+                continue;
+            };
+            let held = kv.matched(&chains[i].hashes, now);
+            *slot = Some((held, chains[i].hashes.len(), block_size));
+            precise.push((c.backend.id, i, held));
+        }
+        out
+    }
 }
 
 impl Plugin for PrefixCacheScorer {
@@ -209,6 +335,17 @@ impl Plugin for PrefixCacheScorer {
                 (&computed, 0)
             }
         };
+        if let Some(scratch) = state.get::<Scratch>(&self.name) {
+            if let Some((_, chain, held)) =
+                scratch.precise.iter().find(|(id, _, _)| *id == backend.id)
+            {
+                if let Some(chain) = scratch.chains.get(*chain) {
+                    backend
+                        .kv()
+                        .note_sent(&chain.hashes, *held, now_ms(), self.params.inflight_ms);
+                }
+            }
+        }
         if hashes.is_empty() {
             return;
         }
@@ -244,13 +381,15 @@ impl Scorer for PrefixCacheScorer {
         scores: &mut [f64],
     ) {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        if request.routing_text.is_none() {
+        if request.routing_text.is_none() && request.tokens.is_none() {
             return;
         }
-        let hashes = match state.take::<Scratch>(&self.name) {
-            Some(scratch) => scratch.hashes,
-            None => self.hashes(request),
+        let (hashes, mut chains) = match state.take::<Scratch>(&self.name) {
+            Some(scratch) => (scratch.hashes, scratch.chains),
+            None => (self.hashes(request), Vec::new()),
         };
+        let mut precise = Vec::new();
+        let exact = self.precise_matches(request, candidates, &mut chains, &mut precise);
         let ids: Vec<(usize, u64)> = candidates
             .iter()
             .map(|c| (c.backend.id, c.state.epoch))
@@ -258,15 +397,38 @@ impl Scorer for PrefixCacheScorer {
         let mut matched = vec![0usize; candidates.len()];
         self.index.match_lengths(&hashes, &ids, &mut matched);
         let n = hashes.len();
-        if n > 0 {
-            let w = self.params.length_weight;
-            for (slot, m) in scores.iter_mut().zip(&matched) {
-                let ratio = *m as f64 / n as f64;
-                let length = ((*m * self.params.block_size) as f64
-                    / self.params.long_match_chars as f64)
-                    .min(1.0);
-                *slot = (1.0 - w) * ratio + w * length;
+        let w = self.params.length_weight;
+        let formula = |m: usize, n: usize, chars: f64| {
+            let ratio = m as f64 / n as f64;
+            let length = (chars / self.params.long_match_chars as f64).min(1.0);
+            (1.0 - w) * ratio + w * length
+        };
+        let mut any = false;
+        for ((slot, m), exact) in scores.iter_mut().zip(&matched).zip(&exact) {
+            match exact {
+                Some((held, blocks, bs)) if *blocks > 0 => {
+                    any = true;
+                    let chars = held.saturating_mul(*bs) as f64 * self.params.chars_per_token;
+                    *slot = formula(*held, *blocks, chars);
+                }
+                Some(_) => {}
+                None if n > 0 => {
+                    any = true;
+                    *slot = formula(*m, n, m.saturating_mul(self.params.block_size) as f64);
+                }
+                None => {}
             }
+        }
+        if !precise.is_empty() {
+            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
+                .increment(precise.len() as u64);
+        }
+        let approximate = candidates.len().saturating_sub(precise.len());
+        if approximate > 0 && n > 0 {
+            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
+                .increment(approximate as u64);
+        }
+        if any {
             let best = scores.iter().copied().fold(0.0, f64::max);
             if self.params.room_weight > 0.0 && best < 1.0 {
                 let mut fill = vec![0.0; candidates.len()];
@@ -280,7 +442,15 @@ impl Scorer for PrefixCacheScorer {
             }
         }
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
-        state.put(&self.name, Scratch { hashes, matched });
+        state.put(
+            &self.name,
+            Scratch {
+                hashes,
+                matched,
+                chains,
+                precise,
+            },
+        );
     }
 }
 

@@ -226,3 +226,92 @@ fn bad_parameters_are_rejected_with_their_name() {
         assert!(err.contains("plugins.prefix.parameters"), "{bad}: {err}");
     }
 }
+
+fn token_view(ids: &[u32]) -> RequestView {
+    let body = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+    RequestView::parse(Operation::Completions, body.as_bytes()).unwrap()
+}
+
+/// Backend `b` reports (via its event stream) holding the first `blocks` blocks of `ids`.
+fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
+    use crate::kv_events::wire::{Event, Medium, Stored};
+    b.kv().turn_on(60_000, "tcp://test:1".into());
+    let n = blocks.min(ids.len() / bs);
+    b.kv().apply(
+        seq,
+        &[Event::Stored(Stored {
+            block_hashes: (0..n as u64).map(|i| 1000 + i).collect(),
+            parent: None,
+            token_ids: ids[..n * bs].to_vec(),
+            block_size: bs as u32,
+            lora_name: None,
+            medium: Medium::Gpu,
+            extra_keys: Vec::new(),
+        })],
+        crate::kv_events::store::now_ms(),
+    );
+}
+
+#[test]
+fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
+    let b = backends(3);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 4\nroom_weight = 0.0");
+    let ids: Vec<u32> = (0..64).collect();
+    let v = token_view(&ids);
+    // Backend 2 has no stream: the approximate index, which saw it get this prompt.
+    let (_, state) = score(&s, &v, &c);
+    s.after_pick(&v, &state, &b[2]);
+    // Backend 0 reports 2 of the 4 blocks of 16 tokens, backend 1 all 4.
+    report(&b[0], &ids, 16, 2, 0);
+    report(&b[1], &ids, 16, 4, 0);
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores, vec![0.5, 1.0, 1.0]);
+    // Backend 1 evicts its first block: nothing consecutive from the start is left.
+    b[1].kv().apply(
+        1,
+        &[crate::kv_events::wire::Event::Removed {
+            block_hashes: vec![1000],
+            medium: crate::kv_events::wire::Medium::Gpu,
+        }],
+        0,
+    );
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores, vec![0.5, 0.0, 1.0]);
+    // A silent stream falls back to the index (which never saw backend 0 get it).
+    b[0].kv().turn_on(1, "tcp://test:1".into());
+    b[0].kv().note_sent(&[42], 0, 0, 1);
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores[0], 0.0, "silent: approximate");
+    // The precise source can be turned off.
+    let off = scorer("block_size = 4\nroom_weight = 0.0\nprecise = false");
+    let (scores, _) = score(&off, &v, &c);
+    assert_eq!(scores, vec![0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
+    let b = backends(2);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000");
+    let ids: Vec<u32> = (0..32).collect();
+    // Both live, block size known, nothing of this prompt held.
+    report(&b[0], &[7; 16], 16, 1, 0);
+    report(&b[1], &[8; 16], 16, 1, 0);
+    let v = token_view(&ids);
+    let (scores, state) = score(&s, &v, &c);
+    assert_eq!(scores, vec![0.0, 0.0]);
+    s.after_pick(&v, &state, &b[1]);
+    // The next request with the same prefix (before any event) goes to the same backend.
+    let mut longer = ids.clone();
+    longer.extend(100..116);
+    let (scores, _) = score(&s, &token_view(&longer), &c);
+    assert_eq!(scores[0], 0.0);
+    assert!((scores[1] - 2.0 / 3.0).abs() < 1e-9, "{scores:?}");
+}

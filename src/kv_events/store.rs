@@ -1,0 +1,522 @@
+//! One backend's block store: which token blocks (by our chain hash, see [`super::chain`]) its
+//! KV cache holds, as its event stream reported them, plus the stream's status.
+//!
+//! Two sides with different needs:
+//! * the **reader** (the prefix scorer, on the request path) asks "does it hold block h?" for
+//!   the first blocks of a prompt. The set is an [`scc::HashIndex`]: its reads take no lock at
+//!   all (epoch-based reclamation; a writer that inserts, removes or resizes never makes a
+//!   reader wait), so a flood of events on one backend cannot delay a decision. The crate is
+//!   already compiled for `zeromq`. Measured in `benches/hot_path.rs` (`kv_events/*`).
+//! * the **writer** (that backend's subscriber task, off the request path) keeps the map from
+//!   vLLM's hash (per medium) to ours, a reference count per hash of ours (a block can sit in
+//!   the GPU and the CPU tier at once) and the insertion order for the capacity bound, under a
+//!   mutex only it takes.
+//!
+//! Bounds: at most `capacity` vLLM blocks are kept, `capacity` = the backend's `num_gpu_blocks`
+//! (`vllm:cache_config_info`) per tier seen (GPU, CPU, other) plus 1/8 slack, or
+//! [`DEFAULT_CAPACITY`] while the geometry is unknown; beyond it the oldest stored blocks are
+//! dropped (a stream that misses removals cannot grow the map). Blocks "in flight" (sent to the
+//! backend, not yet reported) live in a second lock-free map with a deadline, at most
+//! [`MAX_PENDING`] of them, purged by the subscriber's tick.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Instant;
+
+use scc::{Guard, HashIndex};
+
+use super::chain::block_hash;
+use super::wire::{Event, Medium, Stored};
+use crate::scheduling::plugins::scorer::prefix_cache::index::PassThroughHasher;
+
+/// Blocks kept while the backend's `num_gpu_blocks` is unknown.
+pub const DEFAULT_CAPACITY: usize = 1 << 20;
+/// In-flight blocks kept per backend.
+pub const MAX_PENDING: usize = 1 << 16;
+
+type Set<V> = HashIndex<u64, V, BuildHasherDefault<PassThroughHasher>>;
+
+/// Milliseconds since the process's first call: the store's clock.
+pub fn now_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// What routing may make of a backend's stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// No event stream configured: approximate index only.
+    Off,
+    /// Events flow in order: the store is the truth.
+    Live,
+    /// Events were lost (a gap no replay could fill, or a late join): approximate until the
+    /// cache has turned over once.
+    Unsure,
+    /// Requests were sent that should have produced events, and none came within the quiet
+    /// time: approximate until events flow again.
+    Silent,
+}
+
+impl Status {
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Off => "off",
+            Status::Live => "live",
+            Status::Unsure => "unsure",
+            Status::Silent => "silent",
+        }
+    }
+
+    pub const ALL: [Status; 4] = [Status::Off, Status::Live, Status::Unsure, Status::Silent];
+}
+
+const OFF: u8 = 0;
+const LIVE: u8 = 1;
+const UNSURE: u8 = 2;
+
+/// How a sequence number relates to the last one seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The next one (or the first message, from a fresh engine: seq 0).
+    InOrder,
+    /// Messages `from..seq` were lost (a first message with seq > 0: joined late).
+    Gap { from: u64 },
+    /// Went backwards: the engine restarted; the store has to be cleared.
+    Restart,
+    /// Already seen (replay overlap): skip.
+    Duplicate,
+}
+
+/// Counters shown in the admin view.
+#[derive(Debug, Default)]
+struct Stats {
+    messages: AtomicU64,
+    stored: AtomicU64,
+    removed: AtomicU64,
+    gaps: AtomicU64,
+    restarts: AtomicU64,
+    orphans: AtomicU64,
+    errors: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Ingest {
+    /// (vLLM hash, medium) → (our hash, insertion generation).
+    by_vllm: HashMap<(u64, Medium), (u64, u64)>,
+    /// Our hash → how many (vLLM hash, medium) entries name it.
+    refs: HashMap<u64, u32>,
+    /// Insertion order for the capacity bound; stale entries are skipped by generation.
+    order: VecDeque<((u64, Medium), u64)>,
+    generation: u64,
+    gpu_blocks: Option<usize>,
+    tiers: [bool; 3],
+    last_seq: Option<u64>,
+    /// Blocks stored since the store became unsure.
+    since_unsure: usize,
+    scratch: Vec<u8>,
+    extra: Vec<String>,
+}
+
+impl Default for Ingest {
+    fn default() -> Self {
+        Ingest {
+            by_vllm: HashMap::new(),
+            refs: HashMap::new(),
+            order: VecDeque::new(),
+            generation: 0,
+            gpu_blocks: None,
+            tiers: [true, false, false],
+            last_seq: None,
+            since_unsure: 0,
+            scratch: Vec::new(),
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl Ingest {
+    fn capacity(&self) -> usize {
+        match self.gpu_blocks {
+            Some(n) => {
+                let tiers = self.tiers.iter().filter(|t| **t).count().max(1);
+                let n = n.max(1).saturating_mul(tiers);
+                n.saturating_add(n / 8)
+            }
+            None => DEFAULT_CAPACITY,
+        }
+    }
+}
+
+/// One backend's store. Created with the backend (status `off`); its subscriber task turns it on.
+#[derive(Default)]
+pub struct BlockStore {
+    held: Set<()>,
+    pending: Set<u64>,
+    pending_len: AtomicUsize,
+    held_len: AtomicUsize,
+    status: AtomicU8,
+    block_size: AtomicU32,
+    /// `now_ms() + 1` of the first request sent since the last message that should produce
+    /// events (0: none outstanding).
+    expect_since: AtomicU64,
+    last_message_ms: AtomicU64,
+    quiet_ms: AtomicU64,
+    connected: AtomicBool,
+    stats: Stats,
+    ingest: Mutex<Ingest>,
+    /// Where the stream comes from, for the admin view.
+    endpoint: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for BlockStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockStore")
+            .field("status", &self.status(now_ms()))
+            .field("blocks", &self.blocks())
+            .finish()
+    }
+}
+
+impl BlockStore {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ingest> {
+        self.ingest.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The stream is configured from now on; silence beyond `quiet_ms` after a request counts.
+    pub fn turn_on(&self, quiet_ms: u64, endpoint: String) {
+        self.quiet_ms.store(quiet_ms.max(1), Ordering::Relaxed);
+        *self.endpoint.lock().unwrap_or_else(PoisonError::into_inner) = Some(endpoint);
+        let _ = self
+            .status
+            .compare_exchange(OFF, LIVE, Ordering::AcqRel, Ordering::Relaxed);
+        self.connected.store(true, Ordering::Relaxed);
+    }
+
+    /// The subscriber stopped: back to approximate, nothing held.
+    pub fn turn_off(&self) {
+        self.status.store(OFF, Ordering::Release);
+        self.connected.store(false, Ordering::Relaxed);
+        self.clear();
+    }
+
+    /// Status at `now` (ms, [`now_ms`]).
+    pub fn status(&self, now: u64) -> Status {
+        let base = match self.status.load(Ordering::Acquire) {
+            OFF => return Status::Off,
+            UNSURE => Status::Unsure,
+            _ => Status::Live,
+        };
+        let since = self.expect_since.load(Ordering::Acquire);
+        if since != 0
+            && now.saturating_add(1).saturating_sub(since) > self.quiet_ms.load(Ordering::Relaxed)
+        {
+            return Status::Silent;
+        }
+        base
+    }
+
+    /// The block size the events report (0 until the first `BlockStored`).
+    pub fn block_size(&self) -> usize {
+        self.block_size.load(Ordering::Relaxed) as usize
+    }
+
+    /// Blocks held (distinct hashes of ours).
+    pub fn blocks(&self) -> usize {
+        self.held_len.load(Ordering::Relaxed)
+    }
+
+    /// How many of `chain`'s blocks, consecutive from the first, the backend holds or was
+    /// sent within the in-flight time. Never blocks.
+    pub fn matched(&self, chain: &[u64], now: u64) -> usize {
+        let guard = Guard::new();
+        let check_pending = self.pending_len.load(Ordering::Relaxed) > 0;
+        chain
+            .iter()
+            .take_while(|h| {
+                self.held.peek(*h, &guard).is_some()
+                    || (check_pending
+                        && self
+                            .pending
+                            .peek(*h, &guard)
+                            .is_some_and(|deadline| *deadline > now))
+            })
+            .count()
+    }
+
+    /// `chain` was sent to the backend, which held its first `held` blocks: the rest count as
+    /// held until `now + ttl_ms`, and an event is expected (for the silence check).
+    pub fn note_sent(&self, chain: &[u64], held: usize, now: u64, ttl_ms: u64) {
+        let rest = chain.get(held..).unwrap_or_default();
+        if rest.is_empty() || self.status.load(Ordering::Relaxed) == OFF {
+            return;
+        }
+        let _ = self.expect_since.compare_exchange(
+            0,
+            now.saturating_add(1),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+        let deadline = now.saturating_add(ttl_ms);
+        for h in rest {
+            if self.pending_len.load(Ordering::Relaxed) >= MAX_PENDING {
+                break;
+            }
+            match self.pending.entry_sync(*h) {
+                scc::hash_index::Entry::Occupied(mut o) => o.update(deadline),
+                scc::hash_index::Entry::Vacant(v) => {
+                    v.insert_entry(deadline);
+                    self.pending_len.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Drop expired in-flight blocks (the subscriber's tick).
+    pub fn purge_pending(&self, now: u64) {
+        if self.pending_len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.pending.retain_sync(|_, deadline| *deadline > now);
+        self.pending_len
+            .store(self.pending.len(), Ordering::Relaxed);
+    }
+
+    /// The backend's `num_gpu_blocks`, when known (bounds the store).
+    pub fn set_gpu_blocks(&self, blocks: Option<u64>) {
+        let mut ingest = self.lock();
+        if let Some(n) = blocks {
+            ingest.gpu_blocks = Some(usize::try_from(n).unwrap_or(usize::MAX));
+            self.evict_over_capacity(&mut ingest);
+        }
+    }
+
+    /// Where message `seq` stands relative to the last one applied.
+    pub fn check_seq(&self, seq: u64) -> SeqCheck {
+        let ingest = self.lock();
+        match ingest.last_seq {
+            None if seq == 0 => SeqCheck::InOrder,
+            None => SeqCheck::Gap { from: 0 },
+            Some(last) if seq == last.wrapping_add(1) => SeqCheck::InOrder,
+            Some(last) if seq > last => SeqCheck::Gap {
+                from: last.saturating_add(1),
+            },
+            Some(last) if seq == last => SeqCheck::Duplicate,
+            Some(_) => SeqCheck::Restart,
+        }
+    }
+
+    /// Events were lost and cannot be replayed: approximate until the cache turned over.
+    pub fn mark_unsure(&self) {
+        self.lock().since_unsure = 0;
+        self.status.store(UNSURE, Ordering::Release);
+    }
+
+    /// The engine restarted (its sequence went backwards): it holds nothing we knew about.
+    pub fn restarted(&self) {
+        self.stats.restarts.fetch_add(1, Ordering::Relaxed);
+        self.clear();
+        self.lock().last_seq = None;
+        let _ = self
+            .status
+            .compare_exchange(UNSURE, LIVE, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Forget every block (restart, `AllBlocksCleared`, turned off).
+    pub fn clear(&self) {
+        let mut ingest = self.lock();
+        ingest.by_vllm.clear();
+        ingest.refs.clear();
+        ingest.order.clear();
+        self.held.clear_sync();
+        self.pending.clear_sync();
+        self.pending_len.store(0, Ordering::Relaxed);
+        self.held_len.store(0, Ordering::Relaxed);
+    }
+
+    /// Count a gap in the sequence (replayed or not).
+    pub fn note_gap(&self) {
+        self.stats.gaps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count a message that could not be decoded.
+    pub fn note_error(&self) {
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Apply one message's events, recording `seq` as the last applied.
+    pub fn apply(&self, seq: u64, events: &[Event], now: u64) {
+        let mut ingest = self.lock();
+        ingest.last_seq = Some(seq);
+        for event in events {
+            match event {
+                Event::Stored(s) => self.stored(&mut ingest, s),
+                Event::Removed {
+                    block_hashes,
+                    medium,
+                } => {
+                    for h in block_hashes {
+                        self.remove(&mut ingest, (*h, *medium));
+                    }
+                    self.stats
+                        .removed
+                        .fetch_add(block_hashes.len() as u64, Ordering::Relaxed);
+                }
+                Event::AllCleared => {
+                    drop(ingest);
+                    self.clear();
+                    ingest = self.lock();
+                }
+                Event::Unknown => {}
+            }
+        }
+        self.evict_over_capacity(&mut ingest);
+        if self.status.load(Ordering::Relaxed) == UNSURE
+            && ingest.since_unsure
+                >= ingest
+                    .capacity()
+                    .min(ingest.gpu_blocks.unwrap_or(usize::MAX))
+        {
+            // Every block the cache had when events were lost has been replaced since.
+            self.status.store(LIVE, Ordering::Release);
+        }
+        self.held_len.store(ingest.refs.len(), Ordering::Relaxed);
+        drop(ingest);
+        self.stats.messages.fetch_add(1, Ordering::Relaxed);
+        self.last_message_ms.store(now, Ordering::Relaxed);
+        self.expect_since.store(0, Ordering::Release);
+    }
+
+    fn stored(&self, ingest: &mut Ingest, s: &Stored) {
+        let bs = s.block_size as usize;
+        if bs == 0 {
+            return;
+        }
+        self.block_size.store(s.block_size, Ordering::Relaxed);
+        ingest.tiers[s.medium.index()] = true;
+        let mut prev = match s.parent {
+            None => None,
+            Some(parent) => {
+                let known = [Medium::Gpu, Medium::Cpu, Medium::Other]
+                    .iter()
+                    .find_map(|m| ingest.by_vllm.get(&(parent, *m)).map(|(ours, _)| *ours));
+                match known {
+                    Some(ours) => Some(ours),
+                    None => {
+                        // The parent's event was before our time: these blocks cannot be named.
+                        self.stats
+                            .orphans
+                            .fetch_add(s.block_hashes.len() as u64, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        };
+        let lora = s.lora_name.as_deref();
+        let mut stored = 0u64;
+        for (i, (vllm, tokens)) in s
+            .block_hashes
+            .iter()
+            .zip(s.token_ids.chunks_exact(bs))
+            .enumerate()
+        {
+            let mut extra = std::mem::take(&mut ingest.extra);
+            extra.clear();
+            if let Some(keys) = s.extra_keys.get(i) {
+                extra.extend(keys.iter().filter(|k| Some(k.as_str()) != lora).cloned());
+            }
+            let refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let ours = block_hash(prev, lora, &refs, tokens, &mut ingest.scratch);
+            drop(refs);
+            ingest.extra = extra;
+            prev = Some(ours);
+            let key = (*vllm, s.medium);
+            ingest.generation = ingest.generation.wrapping_add(1);
+            let generation = ingest.generation;
+            if let Some((old, _)) = ingest.by_vllm.insert(key, (ours, generation)) {
+                self.unref(ingest, old);
+            }
+            let count = ingest.refs.entry(ours).or_insert(0);
+            *count = count.saturating_add(1);
+            if *count == 1 {
+                let _ = self.held.insert_sync(ours, ());
+            }
+            ingest.order.push_back((key, generation));
+            stored += 1;
+        }
+        ingest.since_unsure = ingest.since_unsure.saturating_add(stored as usize);
+        self.stats.stored.fetch_add(stored, Ordering::Relaxed);
+    }
+
+    fn unref(&self, ingest: &mut Ingest, ours: u64) {
+        if let Some(count) = ingest.refs.get_mut(&ours) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                ingest.refs.remove(&ours);
+                self.held.remove_sync(&ours);
+            }
+        }
+    }
+
+    fn remove(&self, ingest: &mut Ingest, key: (u64, Medium)) {
+        if let Some((ours, _)) = ingest.by_vllm.remove(&key) {
+            self.unref(ingest, ours);
+        }
+    }
+
+    fn evict_over_capacity(&self, ingest: &mut Ingest) {
+        let cap = ingest.capacity();
+        while ingest.by_vllm.len() > cap {
+            let Some((key, generation)) = ingest.order.pop_front() else {
+                break;
+            };
+            if ingest
+                .by_vllm
+                .get(&key)
+                .is_some_and(|(_, g)| *g == generation)
+            {
+                self.remove(ingest, key);
+            }
+        }
+        // Entries removed by events leave stale order entries: compact now and then.
+        if ingest.order.len() > cap.saturating_mul(2).saturating_add(1024) {
+            let Ingest { order, by_vllm, .. } = ingest;
+            order.retain(|(key, g)| by_vllm.get(key).is_some_and(|(_, cur)| cur == g));
+        }
+    }
+
+    /// The admin view's `kv_events` object.
+    pub fn admin_json(&self, now: u64) -> serde_json::Value {
+        let status = self.status(now);
+        if status == Status::Off {
+            return serde_json::json!({ "status": "off" });
+        }
+        let (capacity, last_seq) = {
+            let ingest = self.lock();
+            (ingest.capacity(), ingest.last_seq)
+        };
+        let last = self.last_message_ms.load(Ordering::Relaxed);
+        let s = &self.stats;
+        serde_json::json!({
+            "status": status.name(),
+            "endpoint": *self.endpoint.lock().unwrap_or_else(PoisonError::into_inner),
+            "block_size": self.block_size(),
+            "blocks": self.blocks(),
+            "capacity": capacity,
+            "in_flight_blocks": self.pending_len.load(Ordering::Relaxed),
+            "last_seq": last_seq,
+            "last_message_ms_ago": (s.messages.load(Ordering::Relaxed) > 0).then(|| now.saturating_sub(last)),
+            "messages": s.messages.load(Ordering::Relaxed),
+            "blocks_stored": s.stored.load(Ordering::Relaxed),
+            "blocks_removed": s.removed.load(Ordering::Relaxed),
+            "gaps": s.gaps.load(Ordering::Relaxed),
+            "restarts": s.restarts.load(Ordering::Relaxed),
+            "orphan_blocks": s.orphans.load(Ordering::Relaxed),
+            "decode_errors": s.errors.load(Ordering::Relaxed),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,654 @@
+//! Decoding vLLM's KV-event messages (vLLM 0.32's encoding and the older positional one).
+//!
+//! A message is three ZeroMQ frames: `topic`, `seq` (u64 big-endian) and a msgpack `payload`,
+//! the array `[ts, events, data_parallel_rank?]`. Each event is either a map tagged by `"type"`
+//! (vLLM 0.32: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`; fields equal to their default
+//! are left out, unknown keys are skipped) or, from older versions, a positional array whose
+//! first element is the tag. Block hashes are unsigned integers (read as u64; negative ones,
+//! from encoders that wrote i64, keep their bits) or raw digest bytes (folded to 64 bits with
+//! XXH3, which is all a map key needs).
+//!
+//! The decoder reads a byte slice in place. Every length it reads is checked against the bytes
+//! that remain before anything is allocated (a msgpack element takes at least one byte), nesting
+//! is limited to [`MAX_DEPTH`], and strings kept are capped at [`MAX_NAME`] bytes, so a hostile or
+//! broken publisher can make a message fail to decode but never make the router allocate more
+//! than the size of the message it sent.
+
+use rmp::Marker;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Deepest nesting of arrays and maps skipped or read.
+pub const MAX_DEPTH: u32 = 16;
+/// Longest LoRA name, medium or extra key kept (longer ones are an error).
+pub const MAX_NAME: usize = 512;
+/// Extra-key strings kept per block (vLLM puts the cache salt and multimodal hashes there).
+pub const MAX_EXTRA: usize = 8;
+
+/// Why a message could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("message truncated")]
+    Truncated,
+    #[error("unexpected msgpack type for {0}")]
+    Unexpected(&'static str),
+    #[error("nesting deeper than {MAX_DEPTH}")]
+    TooDeep,
+    #[error("{0} longer than allowed")]
+    TooLong(&'static str),
+    #[error("expected 2 or 3 frames (topic, seq, payload), got {0}")]
+    Frames(usize),
+    #[error("sequence frame is not 8 bytes")]
+    Seq,
+}
+
+/// Where a block lives. vLLM names GPU and CPU tiers; anything else is folded into `Other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Medium {
+    #[default]
+    Gpu,
+    Cpu,
+    Other,
+}
+
+impl Medium {
+    fn from_name(name: &str) -> Self {
+        if name.eq_ignore_ascii_case("gpu") {
+            Medium::Gpu
+        } else if name.eq_ignore_ascii_case("cpu") {
+            Medium::Cpu
+        } else {
+            Medium::Other
+        }
+    }
+
+    pub fn index(self) -> usize {
+        match self {
+            Medium::Gpu => 0,
+            Medium::Cpu => 1,
+            Medium::Other => 2,
+        }
+    }
+}
+
+/// `BlockStored`: one chain of full blocks.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Stored {
+    /// vLLM's hash of each block, in chain order.
+    pub block_hashes: Vec<u64>,
+    /// vLLM's hash of the block before the first; `None`: the chain starts the prompt.
+    pub parent: Option<u64>,
+    /// `block_size` token ids per block.
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub lora_name: Option<String>,
+    pub medium: Medium,
+    /// Per block: the strings among its extra keys (cache salt, multimodal hashes); empty when
+    /// the event has none.
+    pub extra_keys: Vec<Vec<String>>,
+}
+
+/// One cache event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Stored(Stored),
+    Removed {
+        block_hashes: Vec<u64>,
+        medium: Medium,
+    },
+    AllCleared,
+    /// A tag this decoder does not know (newer vLLM): skipped.
+    Unknown,
+}
+
+/// One published message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    pub seq: u64,
+    pub events: Vec<Event>,
+    pub dp_rank: Option<u64>,
+}
+
+/// The sequence number vLLM's replay socket sends to end a replay (-1 as i64).
+pub const END_OF_REPLAY: u64 = u64::MAX;
+
+/// Split a multipart message into (topic, seq, payload). The last two frames are always seq and
+/// payload (a replay answer has an empty routing frame first; a live one has the topic).
+pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], u64, &'a [u8]), WireError> {
+    let n = frames.len();
+    if !(2..=3).contains(&n) {
+        return Err(WireError::Frames(n));
+    }
+    let topic = if n == 3 { frames[0] } else { &[][..] };
+    let seq: [u8; 8] = frames[n - 2].try_into().map_err(|_| WireError::Seq)?;
+    Ok((topic, u64::from_be_bytes(seq), frames[n - 1]))
+}
+
+/// Decode one message's payload.
+pub fn decode_payload(seq: u64, payload: &[u8]) -> Result<Batch, WireError> {
+    let mut c = Cursor::new(payload);
+    let n = c.array_len()?;
+    if n < 2 {
+        return Err(WireError::Unexpected("payload"));
+    }
+    c.skip(0)?; // timestamp
+    let count = c.array_len()?;
+    let mut events = Vec::with_capacity(count);
+    for _ in 0..count {
+        events.push(c.event()?);
+    }
+    let mut dp_rank = None;
+    for i in 2..n {
+        if i == 2 && !c.peek_nil() {
+            dp_rank = Some(c.uint("data_parallel_rank")?);
+        } else {
+            c.skip(0)?;
+        }
+    }
+    Ok(Batch {
+        seq,
+        events,
+        dp_rank,
+    })
+}
+
+/// A hash read from the wire.
+fn hash_of_bytes(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+}
+
+enum Int {
+    U(u64),
+    I(i64),
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Cursor { buf }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if self.buf.len() < n {
+            return Err(WireError::Truncated);
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, WireError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+    }
+
+    fn marker(&mut self) -> Result<Marker, WireError> {
+        let b = *self.buf.first().ok_or(WireError::Truncated)?;
+        self.buf = &self.buf[1..];
+        Ok(Marker::from_u8(b))
+    }
+
+    fn peek_nil(&self) -> bool {
+        self.buf.first() == Some(&0xc0)
+    }
+
+    /// A length that must fit in what is left, each element taking at least `min` bytes.
+    fn bounded(&self, len: u64, min: usize) -> Result<usize, WireError> {
+        let len = usize::try_from(len).map_err(|_| WireError::Truncated)?;
+        if len.saturating_mul(min) > self.buf.len() {
+            return Err(WireError::Truncated);
+        }
+        Ok(len)
+    }
+
+    fn array_len_of(&mut self, m: Marker) -> Result<Option<usize>, WireError> {
+        let len = match m {
+            Marker::FixArray(n) => u64::from(n),
+            Marker::Array16 => self.be(2)?,
+            Marker::Array32 => self.be(4)?,
+            _ => return Ok(None),
+        };
+        self.bounded(len, 1).map(Some)
+    }
+
+    fn map_len_of(&mut self, m: Marker) -> Result<Option<usize>, WireError> {
+        let len = match m {
+            Marker::FixMap(n) => u64::from(n),
+            Marker::Map16 => self.be(2)?,
+            Marker::Map32 => self.be(4)?,
+            _ => return Ok(None),
+        };
+        self.bounded(len, 2).map(Some)
+    }
+
+    fn array_len(&mut self) -> Result<usize, WireError> {
+        let m = self.marker()?;
+        self.array_len_of(m)?.ok_or(WireError::Unexpected("array"))
+    }
+
+    fn int_of(&mut self, m: Marker) -> Result<Option<Int>, WireError> {
+        Ok(Some(match m {
+            Marker::FixPos(n) => Int::U(u64::from(n)),
+            Marker::FixNeg(n) => Int::I(i64::from(n)),
+            Marker::U8 => Int::U(self.be(1)?),
+            Marker::U16 => Int::U(self.be(2)?),
+            Marker::U32 => Int::U(self.be(4)?),
+            Marker::U64 => Int::U(self.be(8)?),
+            Marker::I8 => Int::I(i64::from(self.be(1)? as u8 as i8)),
+            Marker::I16 => Int::I(i64::from(self.be(2)? as u16 as i16)),
+            Marker::I32 => Int::I(i64::from(self.be(4)? as u32 as i32)),
+            Marker::I64 => Int::I(self.be(8)? as i64),
+            _ => return Ok(None),
+        }))
+    }
+
+    fn uint(&mut self, what: &'static str) -> Result<u64, WireError> {
+        let m = self.marker()?;
+        match self.int_of(m)? {
+            Some(Int::U(n)) => Ok(n),
+            Some(Int::I(n)) if n >= 0 => Ok(n as u64),
+            _ => Err(WireError::Unexpected(what)),
+        }
+    }
+
+    fn bytes_of(&mut self, m: Marker) -> Result<Option<&'a [u8]>, WireError> {
+        let len = match m {
+            Marker::FixStr(n) => u64::from(n),
+            Marker::Str8 | Marker::Bin8 => self.be(1)?,
+            Marker::Str16 | Marker::Bin16 => self.be(2)?,
+            Marker::Str32 | Marker::Bin32 => self.be(4)?,
+            _ => return Ok(None),
+        };
+        let len = self.bounded(len, 1)?;
+        self.take(len).map(Some)
+    }
+
+    fn str_of(&mut self, m: Marker, what: &'static str) -> Result<Option<&'a str>, WireError> {
+        if !matches!(
+            m,
+            Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32
+        ) {
+            return Ok(None);
+        }
+        let bytes = self.bytes_of(m)?.ok_or(WireError::Unexpected(what))?;
+        std::str::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| WireError::Unexpected(what))
+    }
+
+    fn str(&mut self, what: &'static str) -> Result<&'a str, WireError> {
+        let m = self.marker()?;
+        self.str_of(m, what)?.ok_or(WireError::Unexpected(what))
+    }
+
+    /// A string that is kept: nil → `None`, capped length.
+    fn name(&mut self, what: &'static str) -> Result<Option<String>, WireError> {
+        if self.peek_nil() {
+            self.buf = &self.buf[1..];
+            return Ok(None);
+        }
+        let s = self.str(what)?;
+        if s.len() > MAX_NAME {
+            return Err(WireError::TooLong(what));
+        }
+        Ok(Some(s.to_owned()))
+    }
+
+    fn hash(&mut self) -> Result<u64, WireError> {
+        let m = self.marker()?;
+        if let Some(int) = self.int_of(m)? {
+            return Ok(match int {
+                Int::U(n) => n,
+                Int::I(n) => n as u64,
+            });
+        }
+        match self.bytes_of(m)? {
+            Some(bytes) => Ok(hash_of_bytes(bytes)),
+            None => Err(WireError::Unexpected("block hash")),
+        }
+    }
+
+    fn hashes(&mut self) -> Result<Vec<u64>, WireError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.hash()?);
+        }
+        Ok(out)
+    }
+
+    fn tokens(&mut self) -> Result<Vec<u32>, WireError> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            // The common case first: a positive fixint or a u8/u16/u32.
+            let b = *self.buf.first().ok_or(WireError::Truncated)?;
+            let id = if b < 0x80 {
+                self.buf = &self.buf[1..];
+                u32::from(b)
+            } else {
+                u32::try_from(self.uint("token id")?)
+                    .map_err(|_| WireError::Unexpected("token id"))?
+            };
+            out.push(id);
+        }
+        Ok(out)
+    }
+
+    fn medium(&mut self) -> Result<Medium, WireError> {
+        Ok(self
+            .name("medium")?
+            .map_or(Medium::Gpu, |m| Medium::from_name(&m)))
+    }
+
+    /// `extra_keys`: nil, or an array with per block nil or an array of keys. Strings (at any
+    /// depth up to the limit) are kept, at most [`MAX_EXTRA`] per block.
+    fn extra_keys(&mut self) -> Result<Vec<Vec<String>>, WireError> {
+        if self.peek_nil() {
+            self.buf = &self.buf[1..];
+            return Ok(Vec::new());
+        }
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut keys = Vec::new();
+            self.collect_strings(1, &mut keys)?;
+            out.push(keys);
+        }
+        if out.iter().all(Vec::is_empty) {
+            out.clear();
+        }
+        Ok(out)
+    }
+
+    fn collect_strings(&mut self, depth: u32, out: &mut Vec<String>) -> Result<(), WireError> {
+        if depth > MAX_DEPTH {
+            return Err(WireError::TooDeep);
+        }
+        let m = self.marker()?;
+        if let Some(s) = self.str_of(m, "extra key")? {
+            if s.len() > MAX_NAME || out.len() >= MAX_EXTRA {
+                return Err(WireError::TooLong("extra keys"));
+            }
+            out.push(s.to_owned());
+            return Ok(());
+        }
+        if let Some(n) = self.array_len_of(m)? {
+            for _ in 0..n {
+                self.collect_strings(depth + 1, out)?;
+            }
+            return Ok(());
+        }
+        self.skip_after(m, depth)
+    }
+
+    fn skip(&mut self, depth: u32) -> Result<(), WireError> {
+        let m = self.marker()?;
+        self.skip_after(m, depth)
+    }
+
+    fn skip_after(&mut self, m: Marker, depth: u32) -> Result<(), WireError> {
+        if depth > MAX_DEPTH {
+            return Err(WireError::TooDeep);
+        }
+        let fixed = match m {
+            Marker::Null | Marker::True | Marker::False | Marker::FixPos(_) | Marker::FixNeg(_) => {
+                0
+            }
+            Marker::U8 | Marker::I8 => 1,
+            Marker::U16 | Marker::I16 => 2,
+            Marker::U32 | Marker::I32 | Marker::F32 => 4,
+            Marker::U64 | Marker::I64 | Marker::F64 => 8,
+            Marker::FixExt1 => 2,
+            Marker::FixExt2 => 3,
+            Marker::FixExt4 => 5,
+            Marker::FixExt8 => 9,
+            Marker::FixExt16 => 17,
+            Marker::Ext8 | Marker::Ext16 | Marker::Ext32 => {
+                let n = match m {
+                    Marker::Ext8 => self.be(1)?,
+                    Marker::Ext16 => self.be(2)?,
+                    _ => self.be(4)?,
+                };
+                let n = self.bounded(n, 1)?;
+                n.checked_add(1).ok_or(WireError::Truncated)?
+            }
+            Marker::Reserved => return Err(WireError::Unexpected("reserved marker")),
+            _ => {
+                if self.bytes_of(m)?.is_some() {
+                    return Ok(());
+                }
+                if let Some(n) = self.array_len_of(m)? {
+                    for _ in 0..n {
+                        self.skip(depth + 1)?;
+                    }
+                    return Ok(());
+                }
+                if let Some(n) = self.map_len_of(m)? {
+                    for _ in 0..n {
+                        self.skip(depth + 1)?;
+                        self.skip(depth + 1)?;
+                    }
+                    return Ok(());
+                }
+                return Err(WireError::Unexpected("value"));
+            }
+        };
+        self.take(fixed).map(|_| ())
+    }
+
+    fn event(&mut self) -> Result<Event, WireError> {
+        let m = self.marker()?;
+        if let Some(n) = self.map_len_of(m)? {
+            return self.tagged(n);
+        }
+        if let Some(n) = self.array_len_of(m)? {
+            return self.positional(n);
+        }
+        Err(WireError::Unexpected("event"))
+    }
+
+    /// vLLM 0.32: a map with a `"type"` key (first, as msgspec writes it, but any order works).
+    fn tagged(&mut self, n: usize) -> Result<Event, WireError> {
+        let mut kind: Option<&str> = None;
+        let mut stored = Stored::default();
+        let mut hashes = Vec::new();
+        let mut medium = Medium::Gpu;
+        for _ in 0..n {
+            let key = self.str("event key")?;
+            match key {
+                "type" => kind = Some(self.str("event type")?),
+                "block_hashes" => hashes = self.hashes()?,
+                "parent_block_hash" => {
+                    stored.parent = if self.peek_nil() {
+                        self.buf = &self.buf[1..];
+                        None
+                    } else {
+                        Some(self.hash()?)
+                    }
+                }
+                "token_ids" => stored.token_ids = self.tokens()?,
+                "block_size" => {
+                    stored.block_size = u32::try_from(self.uint("block_size")?)
+                        .map_err(|_| WireError::Unexpected("block_size"))?
+                }
+                "lora_name" => stored.lora_name = self.name("lora_name")?,
+                "medium" => medium = self.medium()?,
+                "extra_keys" => stored.extra_keys = self.extra_keys()?,
+                _ => self.skip(1)?,
+            }
+        }
+        Ok(match kind {
+            Some("BlockStored") => {
+                stored.block_hashes = hashes;
+                stored.medium = medium;
+                Event::Stored(stored)
+            }
+            Some("BlockRemoved") => Event::Removed {
+                block_hashes: hashes,
+                medium,
+            },
+            Some("AllBlocksCleared") => Event::AllCleared,
+            Some(_) => Event::Unknown,
+            None => return Err(WireError::Unexpected("event without type")),
+        })
+    }
+
+    /// Older vLLM: `[tag, fields...]` in declaration order, trailing defaults left out.
+    /// BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+    /// lora_name, extra_keys, ...; BlockRemoved: block_hashes, medium, ...
+    fn positional(&mut self, n: usize) -> Result<Event, WireError> {
+        if n == 0 {
+            return Err(WireError::Unexpected("empty event"));
+        }
+        let tag = self.str("event type")?;
+        let rest = n - 1;
+        let event = match tag {
+            "BlockStored" => {
+                let mut s = Stored::default();
+                for i in 0..rest {
+                    match i {
+                        0 => s.block_hashes = self.hashes()?,
+                        1 => {
+                            s.parent = if self.peek_nil() {
+                                self.buf = &self.buf[1..];
+                                None
+                            } else {
+                                Some(self.hash()?)
+                            }
+                        }
+                        2 => s.token_ids = self.tokens()?,
+                        3 => {
+                            s.block_size = u32::try_from(self.uint("block_size")?)
+                                .map_err(|_| WireError::Unexpected("block_size"))?
+                        }
+                        5 => s.medium = self.medium()?,
+                        6 => s.lora_name = self.name("lora_name")?,
+                        7 => s.extra_keys = self.extra_keys()?,
+                        _ => self.skip(1)?,
+                    }
+                }
+                Event::Stored(s)
+            }
+            "BlockRemoved" => {
+                let (mut block_hashes, mut medium) = (Vec::new(), Medium::Gpu);
+                for i in 0..rest {
+                    match i {
+                        0 => block_hashes = self.hashes()?,
+                        1 => medium = self.medium()?,
+                        _ => self.skip(1)?,
+                    }
+                }
+                Event::Removed {
+                    block_hashes,
+                    medium,
+                }
+            }
+            other => {
+                for _ in 0..rest {
+                    self.skip(1)?;
+                }
+                if other == "AllBlocksCleared" {
+                    Event::AllCleared
+                } else {
+                    Event::Unknown
+                }
+            }
+        };
+        Ok(event)
+    }
+}
+
+/// Encoding, for tests, benches and in-test publishers: vLLM 0.32's form.
+pub mod encode {
+    use super::{Event, Medium, Stored};
+    use rmp::encode as e;
+
+    fn medium_name(m: Medium) -> &'static str {
+        match m {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::Other => "DISK",
+        }
+    }
+
+    /// `[ts, [events...]]` as vLLM 0.32 writes it (maps tagged by `"type"`).
+    pub fn payload(ts: f64, events: &[Event]) -> Vec<u8> {
+        let mut out = Vec::new();
+        // Writing into a Vec cannot fail.
+        let _ = e::write_array_len(&mut out, 2);
+        let _ = e::write_f64(&mut out, ts);
+        let _ = e::write_array_len(&mut out, events.len() as u32);
+        for ev in events {
+            match ev {
+                Event::Stored(s) => stored(&mut out, s),
+                Event::Removed {
+                    block_hashes,
+                    medium,
+                } => {
+                    let _ = e::write_map_len(&mut out, 3);
+                    let _ = e::write_str(&mut out, "type");
+                    let _ = e::write_str(&mut out, "BlockRemoved");
+                    let _ = e::write_str(&mut out, "block_hashes");
+                    let _ = e::write_array_len(&mut out, block_hashes.len() as u32);
+                    for h in block_hashes {
+                        let _ = e::write_uint(&mut out, *h);
+                    }
+                    let _ = e::write_str(&mut out, "medium");
+                    let _ = e::write_str(&mut out, medium_name(*medium));
+                }
+                Event::AllCleared | Event::Unknown => {
+                    let _ = e::write_map_len(&mut out, 1);
+                    let _ = e::write_str(&mut out, "type");
+                    let _ = e::write_str(&mut out, "AllBlocksCleared");
+                }
+            }
+        }
+        out
+    }
+
+    fn stored(out: &mut Vec<u8>, s: &Stored) {
+        let _ = e::write_map_len(out, 7);
+        let _ = e::write_str(out, "type");
+        let _ = e::write_str(out, "BlockStored");
+        let _ = e::write_str(out, "block_hashes");
+        let _ = e::write_array_len(out, s.block_hashes.len() as u32);
+        for h in &s.block_hashes {
+            let _ = e::write_uint(out, *h);
+        }
+        let _ = e::write_str(out, "parent_block_hash");
+        match s.parent {
+            Some(p) => {
+                let _ = e::write_uint(out, p);
+            }
+            None => {
+                let _ = e::write_nil(out);
+            }
+        }
+        let _ = e::write_str(out, "token_ids");
+        let _ = e::write_array_len(out, s.token_ids.len() as u32);
+        for t in &s.token_ids {
+            let _ = e::write_uint(out, u64::from(*t));
+        }
+        let _ = e::write_str(out, "block_size");
+        let _ = e::write_uint(out, u64::from(s.block_size));
+        let _ = e::write_str(out, "medium");
+        let _ = e::write_str(out, medium_name(s.medium));
+        let _ = e::write_str(out, "lora_name");
+        match &s.lora_name {
+            Some(n) => {
+                let _ = e::write_str(out, n);
+            }
+            None => {
+                let _ = e::write_nil(out);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
