@@ -14,7 +14,7 @@ use crate::client::RequestOptions;
 use crate::report::{secs, Summary};
 use crate::router::{self, Launcher, Policy};
 use crate::runner::{self, RunConfig};
-use crate::workload::{Workload, WorkloadSpec};
+use crate::workload::{Tokens, Workload, WorkloadSpec};
 
 /// Fraction of the fleet's KV cache the workload's prefixes should need (llm-d's 73%).
 pub const CACHE_FRACTION: f64 = 0.73;
@@ -46,6 +46,12 @@ pub struct CompareConfig {
     /// Wall-clock time allowed to in-flight requests after sending stops.
     pub drain_timeout: Duration,
     pub progress: bool,
+    /// `--sim-tokenizer`: the simulators tokenize with this Hugging Face model directory (and
+    /// the bound and the cache sizing count its tokens).
+    pub sim_tokenizer: Option<PathBuf>,
+    /// `--sim-kv-events`: every simulator publishes KV-cache events on a free port (see its
+    /// `/kv_event_sources`).
+    pub sim_kv_events: bool,
 }
 
 /// KV blocks per backend so that `tokens` fill `fraction` of `backends` caches:
@@ -91,12 +97,26 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
             cfg.block_size,
         )
     });
+    let kv_events_config = if cfg.sim_kv_events {
+        let json = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0","topic":"kv"}"#;
+        Some(vllm_sim::kv_events::KvEventsConfig::parse(json).map_err(std::io::Error::other)?)
+    } else {
+        None
+    };
     let sim = SimConfig {
         block_size: cfg.block_size,
         num_gpu_blocks: blocks,
         max_num_seqs: cfg.max_num_seqs,
         time_scale: cfg.time_scale,
+        tokenizer: cfg.sim_tokenizer.clone(),
+        kv_events_config,
         ..SimConfig::default()
+    };
+    let tokens = match &cfg.sim_tokenizer {
+        Some(dir) => Tokens::Hf(Arc::new(
+            hf_tokenize::HfTokenizer::from_dir(dir).map_err(std::io::Error::other)?,
+        )),
+        None => Tokens::StandIn,
     };
     let model = sim.model_names().first().cloned().unwrap_or_default();
     let workload = Arc::new(Workload::new(cfg.workload.clone(), cfg.seed));
@@ -143,6 +163,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     seed: cfg.seed,
                     time_scale: ts,
                     block_size: cfg.block_size,
+                    tokens: tokens.clone(),
                 };
                 let out = runner::run(run, Arc::clone(&workload)).await;
                 r.stop().await;

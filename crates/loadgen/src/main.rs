@@ -11,7 +11,7 @@ use loadgen::client::RequestOptions;
 use loadgen::compare::{self, CompareConfig};
 use loadgen::router::{self, Launcher, Policy};
 use loadgen::runner::{self, RunConfig};
-use loadgen::workload::{Workload, WorkloadSpec};
+use loadgen::workload::{Tokens, Workload, WorkloadSpec};
 use loadgen::{is_loopback, machine};
 
 /// Load generator and routing-quality benchmark for OpenAI-compatible LLM servers and routers.
@@ -244,6 +244,15 @@ struct CompareArgs {
     /// A line for the results header (repeatable), e.g. the versions of external routers.
     #[arg(long = "note", value_name = "TEXT")]
     notes: Vec<String>,
+    /// Hugging Face model directory the simulators tokenize with (`vllm-sim --tokenizer`); the
+    /// hit-rate bound and the cache sizing then count its tokens. A precise inferlb policy
+    /// (`--policy-file`) points its `[tokenization] dir` at the same directory.
+    #[arg(long, value_name = "DIR")]
+    sim_tokenizer: Option<PathBuf>,
+    /// Every simulator publishes KV-cache events (vLLM's `--kv-events-config`, a free port,
+    /// found through `/kv_event_sources`), for precise policies (`[kv_events] default = "auto"`).
+    #[arg(long)]
+    sim_kv_events: bool,
 }
 
 fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
@@ -252,6 +261,35 @@ fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
         0 => w.groups as usize * w.system_tokens,
         n => n,
     }
+}
+
+/// [`sizing_tokens`] in `tok`'s tokens: scaled by how many tokens `tok` gives the workload's
+/// system prompts against the simulator's stand-in tokenizer.
+fn sizing_tokens_with(tok: &Tokens, w: &WorkloadArgs, workload: &Workload) -> usize {
+    let base = sizing_tokens(w, workload);
+    if matches!(tok, Tokens::StandIn) {
+        return base;
+    }
+    let mut seen = std::collections::HashSet::new();
+    let (mut theirs, mut ours) = (0usize, 0usize);
+    for id in 0..workload.natural_requests().unwrap_or(1_000).min(10_000) {
+        let session = workload.session(id);
+        let Some(system) = session.system.clone() else {
+            continue;
+        };
+        if seen.insert(system.clone()) {
+            let m = [vllm_sim::tokenizer::ChatMessage {
+                role: "system".into(),
+                content: system,
+            }];
+            theirs += tok.chat(&m, false).len();
+            ours += Tokens::StandIn.chat(&m, false).len();
+        }
+    }
+    if ours == 0 {
+        return base;
+    }
+    (base as f64 * theirs as f64 / ours as f64).ceil() as usize
 }
 
 fn policies(a: &CompareArgs) -> Result<Vec<Policy>, String> {
@@ -337,6 +375,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         seed: a.workload.seed,
         time_scale: a.time_scale,
         block_size: a.block_size,
+        tokens: Default::default(),
     };
     let provenance = machine::provenance(
         &std::env::current_exe().into_iter().collect::<Vec<_>>(),
@@ -427,9 +466,16 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
     };
     let arrival = a.arrival.arrival(default_arrival)?;
     let policies = policies(&a)?;
+    let sim_tokens = match &a.sim_tokenizer {
+        Some(dir) => Tokens::Hf(Arc::new(
+            hf_tokenize::HfTokenizer::from_dir(dir)
+                .map_err(|e| format!("{}: {e}", dir.display()))?,
+        )),
+        None => Tokens::StandIn,
+    };
     let cfg = CompareConfig {
         name: a.workload.name().into(),
-        sizing_tokens: sizing_tokens(&a.workload, &workload),
+        sizing_tokens: sizing_tokens_with(&sim_tokens, &a.workload, &workload),
         workload: spec,
         seed: a.workload.seed,
         backends: a.backends,
@@ -451,6 +497,8 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         ready_timeout: Duration::from_secs(a.ready_timeout_secs),
         drain_timeout: secs(a.arrival.drain_secs),
         progress: true,
+        sim_tokenizer: a.sim_tokenizer.clone(),
+        sim_kv_events: a.sim_kv_events,
     };
     if !a.inferlb_bin.exists()
         && cfg

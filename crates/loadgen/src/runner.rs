@@ -18,7 +18,7 @@ use crate::arrival::{Arrival, Schedule};
 use crate::client::{self, Record, RequestOptions};
 use crate::report::{Collector, Summary};
 use crate::scrape::FleetScraper;
-use crate::workload::{max_hit, Session, Workload};
+use crate::workload::{max_hit_with, Session, Tokens, Workload};
 
 /// Everything a run needs besides the workload.
 #[derive(Debug, Clone)]
@@ -45,6 +45,8 @@ pub struct RunConfig {
     pub time_scale: f64,
     /// The backends' KV block size, for the maximum-hit-rate bound.
     pub block_size: usize,
+    /// The backends' tokenizer, for the bound.
+    pub tokens: Tokens,
 }
 
 /// What a run produced.
@@ -187,7 +189,7 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
     };
     let bound = fleet
         .as_ref()
-        .map(|_| max_hit(&workload, &sent, cfg.block_size));
+        .map(|_| max_hit_with(&cfg.tokens, &workload, &sent, cfg.block_size));
     let summary = Summary::new(&cfg.label, &collected, wall, cfg.time_scale, fleet, bound);
     Ok(RunOutput { summary, sent })
 }

@@ -6,11 +6,52 @@
 
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use serde::Serialize;
 use vllm_sim::tokenizer::{self, ChatMessage};
 
 use crate::text;
+
+/// How the bound turns prompts into token ids: the simulator's stand-in tokenizer, or the real
+/// Hugging Face tokenizer the simulators were started with (`--sim-tokenizer`).
+#[derive(Clone, Default)]
+pub enum Tokens {
+    #[default]
+    StandIn,
+    Hf(Arc<hf_tokenize::HfTokenizer>),
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Tokens::StandIn => "StandIn",
+            Tokens::Hf(_) => "Hf",
+        })
+    }
+}
+
+impl Tokens {
+    /// The token ids of `messages` rendered with the chat template.
+    pub fn chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Vec<u32> {
+        match self {
+            Tokens::StandIn => {
+                tokenizer::tokenize(&tokenizer::render_chat(messages, add_generation_prompt))
+            }
+            Tokens::Hf(t) => {
+                let messages: Vec<serde_json::Value> = messages
+                    .iter()
+                    .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
+                    .collect();
+                let body = serde_json::json!({
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                });
+                t.chat_ids(body.to_string().as_bytes()).unwrap_or_default()
+            }
+        }
+    }
+}
 
 /// Which shape of traffic, with its sizes in simulator tokens.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -319,6 +360,18 @@ fn ratio(a: u64, b: u64) -> f64 {
 /// Answers are taken to be the simulator's deterministic filler text (what it returns under
 /// `ignore_eos`).
 pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) -> HitBound {
+    max_hit_with(&Tokens::StandIn, workload, requests, block_size)
+}
+
+/// [`max_hit`] with prompts tokenized by `tok`. With a real tokenizer the answers' tokens are
+/// not known (the simulator's filler text tokenizes differently), so answer blocks are left out
+/// of the caches: exact for shared-prefix and unique, a lower bound for multi-turn.
+pub fn max_hit_with(
+    tok: &Tokens,
+    workload: &Workload,
+    requests: &[(u64, u32)],
+    block_size: usize,
+) -> HitBound {
     let bs = block_size.max(1);
     let mut shared: HashSet<u64> = HashSet::new();
     let mut unlimited: HashSet<u64> = HashSet::new();
@@ -332,8 +385,7 @@ pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) 
         let answers: Vec<String> = (0..turn)
             .map(|_| tokenizer::filler_text(session.output_tokens))
             .collect();
-        let prompt = tokenizer::render_chat(&session.messages(turn as usize, &answers), true);
-        let mut tokens = tokenizer::tokenize(&prompt);
+        let mut tokens = tok.chat(&session.messages(turn as usize, &answers), true);
         let prompt_len = tokens.len();
         bound.prompt_tokens += prompt_len as u64;
         let hashes = chain_hashes(&tokens, bs);
@@ -348,7 +400,9 @@ pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) 
         bound.prefix_only_hit_tokens += hits(&shared);
         bound.max_hit_tokens += hits(&unlimited);
         let out = session.output_tokens;
-        tokens.extend((0..out.saturating_sub(1)).map(tokenizer::filler_id));
+        if matches!(tok, Tokens::StandIn) {
+            tokens.extend((0..out.saturating_sub(1)).map(tokenizer::filler_id));
+        }
         let all = chain_hashes(&tokens, bs);
         let shareable_blocks = match workload.spec {
             WorkloadSpec::MultiTurn { .. } => all.len(),
@@ -357,8 +411,10 @@ pub fn max_hit(workload: &Workload, requests: &[(u64, u32)], block_size: usize) 
                 // The system message alone ends in a "\n" piece that the full prompt glues to
                 // the next word, so the shared tokens stop one short of that rendering.
                 let system = session.system.as_deref().unwrap_or_default();
-                let only = tokenizer::render_chat(&[msg("system", system)], false);
-                tokenizer::tokenize(&only).len().saturating_sub(1) / bs
+                tok.chat(&[msg("system", system)], false)
+                    .len()
+                    .saturating_sub(1)
+                    / bs
             }
         };
         shared.extend(all.iter().take(shareable_blocks).copied());
