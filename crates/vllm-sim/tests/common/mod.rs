@@ -2,6 +2,8 @@
 //! Prometheus text parser.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod kv;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
