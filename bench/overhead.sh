@@ -121,6 +121,13 @@ for mode in whole stream; do
   PIDS+=($!)
   echo "$!" >"$WORK/inferlb-$mode.pid"
   URL[inferlb-$mode]="http://127.0.0.1:$P"
+  # LB_PREV=path/to/an/older/inferlb adds a row `inferlb-prev`: before/after in one run.
+  if [ -n "${LB_PREV:-}" ]; then
+    P=$(free_port)
+    "$LB_PREV" --listen "127.0.0.1:$P" "${FLAGS[@]}" >"$WORK/inferlb-prev-$mode.log" 2>&1 &
+    PIDS+=($!)
+    URL[inferlb-prev-$mode]="http://127.0.0.1:$P"
+  fi
 
   P=$(free_port)
   mkdir -p "$WORK/proxy-$mode/logs"
@@ -152,7 +159,7 @@ NGX
   URL[nginx-$mode]="http://127.0.0.1:$P"
 
   # The two public Rust routers, with their LLM-aware policy (as inferlb's default profile is).
-  if "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null; then
+  if [ -z "${NO_EXTERNAL:-}" ] && "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null; then
     P=$(free_port); M=$(free_port)
     # shellcheck disable=SC2086
     "$VENV/bin/python" -m sglang_router.launch_router --worker-urls $WORKERS --policy cache_aware \
@@ -161,7 +168,7 @@ NGX
     PIDS+=($!)
     URL[sglang-$mode]="http://127.0.0.1:$P"
   fi
-  if [ -x "$VENV/bin/vllm-router" ]; then
+  if [ -z "${NO_EXTERNAL:-}" ] && [ -x "$VENV/bin/vllm-router" ]; then
     P=$(free_port); M=$(free_port)
     # shellcheck disable=SC2086
     "$VENV/bin/vllm-router" --worker-urls $WORKERS --policy cache_aware \
@@ -172,8 +179,12 @@ NGX
   fi
 done
 ROWS=(direct nginx inferlb)
-[ -n "${URL[sglang-whole]:-}" ] && ROWS+=(sglang)
-[ -n "${URL[vllm-router-whole]:-}" ] && ROWS+=(vllm-router)
+[ -n "${URL[inferlb-prev-whole]:-}" ] && ROWS+=(inferlb-prev)
+# NO_EXTERNAL=1 leaves SGLang's and vLLM's routers out (quicker A/B runs of inferlb).
+if [ -z "${NO_EXTERNAL:-}" ]; then
+  [ -n "${URL[sglang-whole]:-}" ] && ROWS+=(sglang)
+  [ -n "${URL[vllm-router-whole]:-}" ] && ROWS+=(vllm-router)
+fi
 for mode in whole stream; do
   for r in "${ROWS[@]}"; do wait_post "${URL[$r-$mode]}" "$r-$mode"; done
 done
@@ -203,6 +214,6 @@ for pkg in sglang-router vllm-router; do
   v=$("$VENV/bin/pip" show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
   [ -n "$v" ] && EXT+="$pkg $v; "
 done
-python3 bench/provenance.py --note "nginx: $NGINX_VERSION; wrk $WRK_VERSION; ${EXT:-no external routers}" "$LB" "$SSE" >"$WORK/provenance.md"
+python3 bench/provenance.py --note "nginx: $NGINX_VERSION; wrk $WRK_VERSION; ${EXT:-no external routers}" "$LB" ${LB_PREV:+"$LB_PREV"} "$SSE" >"$WORK/provenance.md"
 python3 bench/overhead_table.py "$WORK" "$OUT" "$DUR" "$CONN" "$REPS" "$WRK_THREADS" "$LOAD_BEFORE" "$LOAD_AFTER" "$RSS" "${ROWS[@]}"
 echo "wrote $OUT"
