@@ -22,7 +22,8 @@ const METRICS: &str = "vllm:num_requests_running{engine=\"0\",model_name=\"bench
 vllm:num_requests_waiting{engine=\"0\",model_name=\"bench\"} 0.0\n\
 vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"bench\"} 0.0\n\
 vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"4096\"} 1.0\n";
-const MODELS: &str = r#"{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}"#;
+const MODELS: &str =
+    r#"{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}"#;
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -45,38 +46,43 @@ fn main() {
             };
             let _ = tcp.set_nodelay(true);
             tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| async move {
-                    let fixed = match req.uri().path() {
-                        "/metrics" | "/metrics/" => Some(("text/plain; version=0.0.4", METRICS)),
-                        "/v1/models" => Some(("application/json", MODELS)),
-                        "/health" => Some(("text/plain", "")),
-                        _ => None,
-                    };
-                    // Read (and drop) the request body first, as a real server does.
-                    let _ = req.into_body().collect().await;
-                    if let Some((kind, text)) = fixed {
-                        let frame = Ok::<_, Infallible>(Frame::data(Bytes::from_static(text.as_bytes())));
-                        let body = StreamBody::new(stream::iter(vec![frame])).boxed();
-                        return Ok::<_, Infallible>(
+                let service =
+                    hyper::service::service_fn(move |req: Request<Incoming>| async move {
+                        let fixed = match req.uri().path() {
+                            "/metrics" | "/metrics/" => {
+                                Some(("text/plain; version=0.0.4", METRICS))
+                            }
+                            "/v1/models" => Some(("application/json", MODELS)),
+                            "/health" => Some(("text/plain", "")),
+                            _ => None,
+                        };
+                        // Read (and drop) the request body first, as a real server does.
+                        let _ = req.into_body().collect().await;
+                        if let Some((kind, text)) = fixed {
+                            let frame = Ok::<_, Infallible>(Frame::data(Bytes::from_static(
+                                text.as_bytes(),
+                            )));
+                            let body = StreamBody::new(stream::iter(vec![frame])).boxed();
+                            return Ok::<_, Infallible>(
+                                Response::builder()
+                                    .header("content-type", kind)
+                                    .body(body)
+                                    .expect("response"),
+                            );
+                        }
+                        let events = (0..=chunks).map(move |i| {
+                            let data = if i == chunks { DONE } else { EVENT };
+                            Ok::<_, Infallible>(Frame::data(Bytes::from_static(data)))
+                        });
+                        let body = StreamBody::new(stream::iter(events)).boxed();
+                        Ok::<_, Infallible>(
                             Response::builder()
-                                .header("content-type", kind)
+                                .header("content-type", "text/event-stream")
+                                .header("cache-control", "no-cache")
                                 .body(body)
                                 .expect("response"),
-                        );
-                    }
-                    let events = (0..=chunks).map(move |i| {
-                        let data = if i == chunks { DONE } else { EVENT };
-                        Ok::<_, Infallible>(Frame::data(Bytes::from_static(data)))
+                        )
                     });
-                    let body = StreamBody::new(stream::iter(events)).boxed();
-                    Ok::<_, Infallible>(
-                        Response::builder()
-                            .header("content-type", "text/event-stream")
-                            .header("cache-control", "no-cache")
-                            .body(body)
-                            .expect("response"),
-                    )
-                });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tcp), service)
                     .await;

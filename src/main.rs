@@ -8,6 +8,10 @@ use clap::Parser;
 use inferlb::config::{BackendConfig, Config, LogFormat};
 use inferlb::{run_reloadable, telemetry, Listeners};
 
+/// mimalloc instead of glibc's malloc (see Cargo.toml for why and what it costs).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// An LLM-aware load balancer for vLLM fleets: routes each OpenAI request to the backend that
 /// holds its prompt prefix in KV cache, weighed against queue and KV-cache load.
 #[derive(Debug, Clone, Parser)]
