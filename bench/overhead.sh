@@ -1,68 +1,150 @@
 #!/usr/bin/env bash
-# Proxy overhead: loadgen closed loop (64 clients, 20 s per cell) against instant simulated
-# backends — direct, through inferlb (default profile), through nginx (plain round robin).
-# Writes bench/results/overhead-<date>.md.  Usage: bench/overhead.sh [SECONDS] [CONCURRENCY]
+# Proxy overhead, driven by wrk (C, epoll; not the bottleneck: the `direct` row shows it).
+#
+# Rows, all in one run and interleaved per repetition: direct (wrk → one backend), nginx
+# (round robin, keep-alive upstream, worker_processes = cores), inferlb (default profile,
+# default log level), and SGLang's and vLLM's routers when bench/.venv has them
+# (`python3 -m venv bench/.venv && bench/.venv/bin/pip install sglang-router vllm-router`).
+# Backends (2): nginx `return 200` with a chat-completion JSON for non-streaming; for
+# streaming, `examples/sse_responder.rs` (100 SSE events per request, each its own chunk,
+# written as fast as the client reads). wrk POSTs a chat-completion body (bench/wrk/post.lua).
+#
+# Every cell is run REPS times; the table gives medians (and the range of the ratios).
+# Usage: bench/overhead.sh [SECONDS=10] [CONNECTIONS=64] [REPS=3] [LABEL]
+# Writes bench/results/overhead-<date>[-LABEL].md (and a .json of every run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DUR=${1:-20}
-CONC=${2:-64}
-BACKENDS=2
-cargo build --release -p loadgen -p inferlb -p vllm-sim
-LG=target/release/loadgen
-if ! command -v nginx >/dev/null; then
-  apt-get install -y nginx >/dev/null 2>&1 \
-    || { apt-get update >/dev/null && apt-get install -y nginx >/dev/null; } \
-    || { echo "overhead.sh: nginx is required (apt-get install -y nginx)" >&2; exit 1; }
-fi
+DUR=${1:-10}
+CONN=${2:-64}
+REPS=${3:-3}
+LABEL=${4:-}
+NPROC=$(nproc)
+WRK_THREADS=${WRK_THREADS:-2}
+VENV=bench/.venv
+
+need() { # COMMAND PACKAGE
+  command -v "$1" >/dev/null && return 0
+  apt-get install -y "$2" >/dev/null 2>&1 \
+    || { apt-get update >/dev/null && apt-get install -y "$2" >/dev/null; } \
+    || { echo "overhead.sh: $1 is required (apt-get install -y $2)" >&2; exit 1; }
+}
+need wrk wrk
+need nginx nginx-light
 NGINX=$(command -v nginx)
 
+if [ -z "${NO_BUILD:-}" ]; then
+  cargo build --release --all-features -p inferlb --bin inferlb --example sse_responder
+fi
+LB=target/release/inferlb
+SSE=target/release/examples/sse_responder
+
 WORK=$(mktemp -d)
+chmod 755 "$WORK"   # nginx workers (user nobody) read the metrics page from it
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$WORK"
+  [ -n "${KEEP:-}" ] && echo "kept $WORK" >&2 || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { # URL: wait (≤ 20 s) until it answers 200
-  for _ in $(seq 200); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
+wait_http() { # URL [METHOD]: wait (≤ 30 s) until it answers 2xx
+  for _ in $(seq 300); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
   echo "overhead.sh: $1 never became ready" >&2; exit 1
 }
+wait_post() { # URL: wait (≤ 30 s) until a chat completion through it answers 200
+  for _ in $(seq 300); do
+    curl -sf -o /dev/null -H 'content-type: application/json' \
+      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":100}' \
+      "$1/v1/chat/completions" && return 0
+    sleep 0.1
+  done
+  echo "overhead.sh: $1 ($2) never answered a chat completion; its log: $WORK/$2.log" >&2; exit 1
+}
 
-URLS=()
-UPSTREAM=""
-for i in $(seq "$BACKENDS"); do
-  P=$(free_port)
-  target/release/vllm-sim --instant --port "$P" >"$WORK/sim$i.log" 2>&1 &
-  PIDS+=($!)
-  URLS+=("http://127.0.0.1:$P")
-  UPSTREAM+="    server 127.0.0.1:$P;"$'\n'
+# --- backends -------------------------------------------------------------------------
+WHOLE_PORTS=("$(free_port)" "$(free_port)")
+mkdir -p "$WORK/backend/logs" "$WORK/proxy/logs"
+ANSWER='{"id":"cmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":48,"completion_tokens":100,"total_tokens":148}}'
+MODELS='{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}'
+cp /work/shared/vllm-metrics/vllm-0.32-cpu.txt "$WORK/backend/metrics.txt" 2>/dev/null \
+  || printf 'vllm:num_requests_running{model_name="bench"} 0.0\nvllm:num_requests_waiting{model_name="bench"} 0.0\nvllm:kv_cache_usage_perc{model_name="bench"} 0.0\n' >"$WORK/backend/metrics.txt"
+SERVERS=""
+chmod 644 "$WORK/backend/metrics.txt"
+for p in "${WHOLE_PORTS[@]}"; do
+  SERVERS+="  server {
+    listen 127.0.0.1:$p reuseport;
+    keepalive_requests 1000000;
+    location = /metrics { default_type text/plain; alias $WORK/backend/metrics.txt; }
+    location = /v1/models { default_type application/json; return 200 '$MODELS'; }
+    location = /health { return 200 ''; }
+    location / { default_type application/json; return 200 '$ANSWER'; }
+  }
+"
 done
-for u in "${URLS[@]}"; do wait_http "$u/health"; done
-
-LB_PORT=$(free_port)
-BACKEND_FLAGS=()
-for u in "${URLS[@]}"; do BACKEND_FLAGS+=(--backend "$u"); done
-target/release/inferlb --listen "127.0.0.1:$LB_PORT" --log-level warn "${BACKEND_FLAGS[@]}" >"$WORK/inferlb.log" 2>&1 &
+cat >"$WORK/backend/nginx.conf" <<NGX
+worker_processes $NPROC;
+pid $WORK/backend/nginx.pid;
+error_log $WORK/backend/logs/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_buffer_size 16k;
+$SERVERS}
+NGX
+"$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' &
 PIDS+=($!)
-wait_http "http://127.0.0.1:$LB_PORT/ready"
+STREAM_PORTS=()
+for i in 1 2; do
+  "$SSE" 127.0.0.1:0 100 >"$WORK/sse$i.addr" 2>"$WORK/sse$i.log" &
+  PIDS+=($!)
+  for _ in $(seq 100); do [ -s "$WORK/sse$i.addr" ] && break; sleep 0.1; done
+  STREAM_PORTS+=("$(sed 's/.*://' "$WORK/sse$i.addr")")
+done
+for p in "${WHOLE_PORTS[@]}" "${STREAM_PORTS[@]}"; do wait_http "http://127.0.0.1:$p/v1/models"; done
 
-NG_PORT=$(free_port)
-mkdir -p "$WORK/nginx/logs"
-cat >"$WORK/nginx/nginx.conf" <<NGX
-worker_processes 2;
-pid $WORK/nginx/nginx.pid;
-error_log $WORK/nginx/logs/error.log warn;
-events { worker_connections 4096; }
+# --- proxies: one instance per backend kind ---------------------------------------------
+declare -A URL   # URL[row-mode]
+for mode in whole stream; do
+  if [ "$mode" = whole ]; then PORTS=("${WHOLE_PORTS[@]}"); else PORTS=("${STREAM_PORTS[@]}"); fi
+  URL[direct-$mode]="http://127.0.0.1:${PORTS[0]}"
+  WORKERS=""; FLAGS=(); UPSTREAM=""
+  for p in "${PORTS[@]}"; do
+    FLAGS+=(--backend "http://127.0.0.1:$p")
+    WORKERS+=" http://127.0.0.1:$p"
+    UPSTREAM+="    server 127.0.0.1:$p;"$'\n'
+  done
+
+  P=$(free_port)
+  "$LB" --listen "127.0.0.1:$P" "${FLAGS[@]}" >"$WORK/inferlb-$mode.log" 2>&1 &
+  PIDS+=($!)
+  echo "$!" >"$WORK/inferlb-$mode.pid"
+  URL[inferlb-$mode]="http://127.0.0.1:$P"
+  # LB_PREV=path/to/an/older/inferlb adds a row `inferlb-prev`: before/after in one run.
+  if [ -n "${LB_PREV:-}" ]; then
+    P=$(free_port)
+    "$LB_PREV" --listen "127.0.0.1:$P" "${FLAGS[@]}" >"$WORK/inferlb-prev-$mode.log" 2>&1 &
+    PIDS+=($!)
+    URL[inferlb-prev-$mode]="http://127.0.0.1:$P"
+  fi
+
+  P=$(free_port)
+  mkdir -p "$WORK/proxy-$mode/logs"
+  cat >"$WORK/proxy-$mode/nginx.conf" <<NGX
+worker_processes $NPROC;
+pid $WORK/proxy-$mode/nginx.pid;
+error_log $WORK/proxy-$mode/logs/error.log warn;
+events { worker_connections 8192; }
 http {
   access_log off;
   upstream backends {
 $UPSTREAM    keepalive 256;
+    keepalive_requests 1000000;
   }
   server {
-    listen 127.0.0.1:$NG_PORT;
+    listen 127.0.0.1:$P;
+    keepalive_requests 1000000;
     location / {
       proxy_pass http://backends;
       proxy_http_version 1.1;
@@ -72,68 +154,66 @@ $UPSTREAM    keepalive 256;
   }
 }
 NGX
-"$NGINX" -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' &
-PIDS+=($!)
-wait_http "http://127.0.0.1:$NG_PORT/health"
+  "$NGINX" -p "$WORK/proxy-$mode" -c "$WORK/proxy-$mode/nginx.conf" -g 'daemon off;' &
+  PIDS+=($!)
+  URL[nginx-$mode]="http://127.0.0.1:$P"
 
-run() { # NAME URL STREAMFLAG
-  local extra=()
-  [ "$3" = "whole" ] && extra+=(--no-stream)
-  "$LG" run --url "$2" --workload unique --system-tokens 32 --question-tokens 16 \
-    --output-tokens 100 --concurrency "$CONC" --duration "$DUR" --drain-secs 10 \
-    "${extra[@]}" --json "$WORK/$1-$3.json" >"$WORK/$1-$3.txt"
-}
-for mode in whole stream; do
-  run direct "${URLS[0]}" "$mode"   # one backend directly (the proxies spread over all)
-  run inferlb "http://127.0.0.1:$LB_PORT" "$mode"
-  run nginx "http://127.0.0.1:$NG_PORT" "$mode"
+  # The two public Rust routers, with their LLM-aware policy (as inferlb's default profile is).
+  if [ -z "${NO_EXTERNAL:-}" ] && "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null; then
+    P=$(free_port); M=$(free_port)
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m sglang_router.launch_router --worker-urls $WORKERS --policy cache_aware \
+      --host 127.0.0.1 --port "$P" --prometheus-host 127.0.0.1 --prometheus-port "$M" \
+      >"$WORK/sglang-$mode.log" 2>&1 &
+    PIDS+=($!)
+    URL[sglang-$mode]="http://127.0.0.1:$P"
+  fi
+  if [ -z "${NO_EXTERNAL:-}" ] && [ -x "$VENV/bin/vllm-router" ]; then
+    P=$(free_port); M=$(free_port)
+    # shellcheck disable=SC2086
+    "$VENV/bin/vllm-router" --worker-urls $WORKERS --policy cache_aware \
+      --host 127.0.0.1 --port "$P" --prometheus-host 127.0.0.1 --prometheus-port "$M" \
+      >"$WORK/vllm-router-$mode.log" 2>&1 &
+    PIDS+=($!)
+    URL[vllm-router-$mode]="http://127.0.0.1:$P"
+  fi
 done
-# A second direct baseline over every backend is not possible without a proxy: the direct
-# column is one backend, which the instant simulator serves without its own queueing.
+ROWS=(direct nginx inferlb)
+[ -n "${URL[inferlb-prev-whole]:-}" ] && ROWS+=(inferlb-prev)
+# NO_EXTERNAL=1 leaves SGLang's and vLLM's routers out (quicker A/B runs of inferlb).
+if [ -z "${NO_EXTERNAL:-}" ]; then
+  [ -n "${URL[sglang-whole]:-}" ] && ROWS+=(sglang)
+  [ -n "${URL[vllm-router-whole]:-}" ] && ROWS+=(vllm-router)
+fi
+for mode in whole stream; do
+  for r in "${ROWS[@]}"; do wait_post "${URL[$r-$mode]}" "$r-$mode"; done
+done
 
-# Keep-alive check: connections inferlb opened to the backends over all runs (and scrapes).
-curl -sf "http://127.0.0.1:$LB_PORT/metrics" | grep '^inferlb_upstream_connections_opened_total' \
-  | awk '{print $2}' >"$WORK/conns.txt" || echo "?" >"$WORK/conns.txt"
+# --- runs --------------------------------------------------------------------------------
+LOAD_BEFORE=$(uptime)
+for rep in $(seq "$REPS"); do
+  for mode in whole stream; do
+    [ "$mode" = stream ] && S=true || S=false
+    for r in "${ROWS[@]}"; do
+      STREAM=$S wrk -t"$WRK_THREADS" -c"$CONN" -d"${DUR}s" --latency -s bench/wrk/post.lua \
+        "${URL[$r-$mode]}/v1/chat/completions" >"$WORK/$r-$mode-$rep.txt" 2>&1 || true
+      echo "rep $rep $mode $r: $(grep -E 'Requests/sec' "$WORK/$r-$mode-$rep.txt" || echo failed)" >&2
+    done
+  done
+done
+LOAD_AFTER=$(uptime)
+RSS=$(for mode in whole stream; do ps -o rss= -p "$(cat "$WORK/inferlb-$mode.pid")" | tr -d ' '; done | paste -sd/)
 
 DATE=$(date -u +%Y-%m-%d)
-OUT=bench/results/overhead-$DATE.md
+OUT=bench/results/overhead-$DATE${LABEL:+-$LABEL}.md
 mkdir -p bench/results
 NGINX_VERSION=$("$NGINX" -v 2>&1 | sed 's/^nginx version: //')
-python3 bench/provenance.py --note "nginx: $NGINX_VERSION" target/release/inferlb target/release/loadgen target/release/vllm-sim >"$WORK/provenance.md"
-python3 - "$WORK" "$OUT" "$DUR" "$CONC" "$BACKENDS" <<'PY'
-import json, sys, subprocess, datetime, os
-work, out, dur, conc, nb = sys.argv[1:]
-provenance = open(f"{work}/provenance.md").read().rstrip("\n")
-cpu = next((l.split(':',1)[1].strip() for l in subprocess.run(['lscpu'],capture_output=True,text=True).stdout.splitlines() if l.startswith('Model name')), 'unknown')
-nproc = subprocess.run(['nproc'],capture_output=True,text=True).stdout.strip()
-rows = []
-lines = [f"# Proxy overhead: direct vs inferlb vs nginx\n",
-         f"- command: `bench/overhead.sh {dur} {conc}`",
-         f"- machine: nproc {nproc}, CPU {cpu} (shared with other work; absolute numbers are indicative, ratios matter)",
-         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
-         provenance,
-         f"- setup: {nb} `vllm-sim --instant` backends; loadgen closed loop, {conc} clients, {dur} s per cell, unique 48-token prompts, max_tokens 100 (ignore_eos); inferlb default profile; nginx `worker_processes 2`, upstream keepalive 256, round robin, proxy_buffering off; all on 127.0.0.1\n"]
-for mode, title in [('whole','Non-streaming'),('stream','Streaming (SSE, 100 chunks)')]:
-    d = {n: json.load(open(f"{work}/{n}-{mode}.json")) for n in ['direct','inferlb','nginx']}
-    lines.append(f"## {title}\n")
-    lines.append("| target | req/s | p50 | p99 | errors |")
-    lines.append("| --- | --- | --- | --- | --- |")
-    for n in ['direct','inferlb','nginx']:
-        s = d[n]
-        lines.append(f"| {n} | {s['requests_per_s']:.0f} | {s['e2e']['p50']*1e3:.2f} ms | {s['e2e']['p99']*1e3:.2f} ms | {sum(s['errors'].values())} |")
-    i, g, x = d['inferlb'], d['nginx'], d['direct']
-    thr = i['requests_per_s']/g['requests_per_s'] if g['requests_per_s'] else float('nan')
-    add_i = i['e2e']['p99'] - x['e2e']['p99']
-    add_g = g['e2e']['p99'] - x['e2e']['p99']
-    ratio = add_i/add_g if add_g > 0 else float('nan')
-    lines.append("")
-    lines.append(f"- inferlb/nginx throughput: **{thr:.2f}** (target ≥ 0.9) → {'met' if thr >= 0.9 else 'NOT met'}")
-    lines.append(f"- added p99 over direct: inferlb {add_i*1e3:.2f} ms, nginx {add_g*1e3:.2f} ms, ratio **{ratio:.2f}** (target ≤ 1.5) → {'met' if ratio <= 1.5 else 'NOT met'}")
-    lines.append(f"- inferlb p50 / nginx p50: {i['e2e']['p50']/g['e2e']['p50']:.2f}\n")
-conns = open(f"{work}/conns.txt").read().strip() or "?"
-total = sum(json.load(open(f"{work}/inferlb-{m}.json"))['requests'] for m in ('whole','stream'))
-lines.append(f"inferlb opened {conns} connections to the backends for {total} requests (plus its scrapes): keep-alive at work.\n")
-open(out,'w').write("\n".join(lines)+"\n")
-print("\n".join(lines))
-PY
+WRK_VERSION=$( (wrk -v 2>&1 || true) | head -1 | awk '{print $2}')
+EXT=""
+for pkg in sglang-router vllm-router; do
+  v=$("$VENV/bin/pip" show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  [ -n "$v" ] && EXT+="$pkg $v; "
+done
+python3 bench/provenance.py --note "nginx: $NGINX_VERSION; wrk $WRK_VERSION; ${EXT:-no external routers}" "$LB" ${LB_PREV:+"$LB_PREV"} "$SSE" >"$WORK/provenance.md"
+python3 bench/overhead_table.py "$WORK" "$OUT" "$DUR" "$CONN" "$REPS" "$WRK_THREADS" "$LOAD_BEFORE" "$LOAD_AFTER" "$RSS" "${ROWS[@]}"
 echo "wrote $OUT"

@@ -8,6 +8,10 @@ use clap::Parser;
 use inferlb::config::{BackendConfig, Config, LogFormat};
 use inferlb::{run_reloadable, telemetry, Listeners};
 
+/// mimalloc instead of glibc's malloc (see Cargo.toml for why and what it costs).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// An LLM-aware load balancer for vLLM fleets: routes each OpenAI request to the backend that
 /// holds its prompt prefix in KV cache, weighed against queue and KV-cache load.
 #[derive(Debug, Clone, Parser)]
@@ -190,6 +194,7 @@ async fn shutdown_signal() {
                 _ = int.recv() => {}
             }
             tracing::warn!("second signal: exiting without waiting for in-flight requests");
+            telemetry::log_writer::flush(LOG_FLUSH_LIMIT);
             std::process::exit(130);
         });
     }
@@ -198,6 +203,9 @@ async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+/// How long the binary waits on exit for buffered log lines to be written.
+const LOG_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The model the demo's simulators serve.
 const DEMO_MODEL: &str = "demo-llama";
@@ -235,8 +243,20 @@ async fn start_demo_fleet(_n: usize, _config: &mut Config) -> Result<DemoFleet, 
     Err("this binary was built without the demo; run `cargo run --release --features demo -- --demo 4`".into())
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let code = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("inferlb: cannot start the async runtime: {e}");
+            ExitCode::from(1)
+        }
+    };
+    // The log is written by a background thread (telemetry::log_writer): let it finish.
+    telemetry::log_writer::flush(LOG_FLUSH_LIMIT);
+    code
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     let config = match &cli.config {
         Some(path) => match Config::from_file(path) {

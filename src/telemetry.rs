@@ -13,6 +13,9 @@ use metrics_util::MetricKindMask;
 
 use crate::config::LogFormat;
 
+pub mod handles;
+pub mod log_writer;
+
 /// The `model` label of requests whose model no backend lists (or that name none): a client's
 /// string never becomes a label, so clients cannot grow the number of series.
 pub const OTHER_MODEL: &str = "other";
@@ -142,6 +145,7 @@ pub fn init_logging(format: LogFormat, filter: &str) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_writer(log_writer::BufferedStdout)
         .with_target(false);
     let _ = match format {
         // JSON lines name their target (`inferlb::access` for the access log) for log pipelines.

@@ -185,7 +185,8 @@ impl GuardedBody {
         if let Some(guard) = self.guard.take() {
             if !self.discarded.is_set() {
                 let elapsed = self.received_at.elapsed().as_secs_f64();
-                metrics::histogram!(t::REQUEST_DURATION, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
+                t::handles::latency(&guard.backend().name, guard.model())
+                    .duration
                     .record(elapsed);
             }
         }
@@ -263,7 +264,8 @@ impl Body for GuardedBody {
                         if !this.first_byte_seen {
                             this.first_byte_seen = true;
                             if let Some(guard) = &this.guard {
-                                metrics::histogram!(t::TIME_TO_FIRST_BYTE, "backend" => guard.backend().name.clone(), "model" => guard.model_label())
+                                t::handles::latency(&guard.backend().name, guard.model())
+                                    .first_byte
                                     .record(this.received_at.elapsed().as_secs_f64());
                             }
                         }

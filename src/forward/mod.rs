@@ -216,12 +216,7 @@ impl tower::Service<Dispatch> for Forwarder {
             if !parts.status.is_server_error() {
                 this.backends.report_success(&backend);
             }
-            metrics::counter!(
-                t::UPSTREAM_RESPONSES,
-                "backend" => backend.name.clone(),
-                "code" => parts.status.as_str().to_owned()
-            )
-            .increment(1);
+            t::handles::upstream_responses(&backend.name, parts.status).increment(1);
             headers::strip_response_headers(&mut parts.headers);
             if let Ok(v) = HeaderValue::from_str(&backend.name) {
                 parts.headers.insert(this.backend_header.clone(), v);

@@ -198,16 +198,13 @@ fn count(app: &AppState, result: Result<Response, Error>, model: String) -> Resp
                 .headers()
                 .get(&app.backend_header)
                 .and_then(|v| v.to_str().ok())
-                .unwrap_or("none")
-                .to_owned();
-            metrics::counter!(t::REQUESTS_TOTAL, "backend" => backend, "model" => model, "code" => response.status().as_str().to_owned())
-                .increment(1);
+                .unwrap_or("none");
+            t::handles::requests_total(backend, &model, response.status()).increment(1);
             response
         }
         Err(err) => {
             let status = err.parts().0;
-            metrics::counter!(t::REQUESTS_TOTAL, "backend" => "none", "model" => model, "code" => status.as_str().to_owned())
-                .increment(1);
+            t::handles::requests_total("none", &model, status).increment(1);
             if status.is_server_error() {
                 tracing::warn!(error = %err, "request failed");
             } else {

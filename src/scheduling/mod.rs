@@ -198,6 +198,11 @@ impl InflightGuard {
         self.model_label.to_string()
     }
 
+    /// [`Self::model_label`] without a copy.
+    pub fn model(&self) -> &str {
+        &self.model_label
+    }
+
     /// This request is the probe of a backend on probation.
     pub fn is_probe(&self) -> bool {
         self.slot.is_probe()
