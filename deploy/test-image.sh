@@ -16,16 +16,21 @@ ensure_base_image
 ca=()
 # This machine's package registries need the host's trust store: mounted into the build only.
 if [ -n "${SSL_CERT_FILE:-}" ]; then ca=(--volume "$SSL_CERT_FILE:/host-ca.crt:ro" --build-arg BUILD_CA_FILE=/host-ca.crt); fi
-echo "== podman build"
+# The build context is a snapshot of HEAD (git archive), not the working tree: the build takes
+# long enough on 2 cores that edits made meanwhile would otherwise reach later steps (a first run
+# here built the binaries from one commit and copied another commit's config.toml).
+ctx=$(mktemp -d /tmp/inferlb-image-ctx.XXXXXX)
+git archive HEAD | tar -x -C "$ctx"
+echo "== podman build (context: git archive $(git rev-parse --short HEAD))"
 start=$(date +%s)
-"${PODMAN[@]}" build --network host --format docker "${ca[@]}" -t "$tag" . > /tmp/inferlb-image-build.log 2>&1 \
+"${PODMAN[@]}" build --network host --format docker "${ca[@]}" -t "$tag" "$ctx" > /tmp/inferlb-image-build.log 2>&1 \
     || { tail -n 40 /tmp/inferlb-image-build.log; exit 1; }
 grep -E "^cargo [0-9]|^rustc [0-9]|Finished" /tmp/inferlb-image-build.log || true
 echo "build took $(( $(date +%s) - start )) s"
 echo "image size: $("${PODMAN[@]}" image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.1f MB", $1/1e6}')"
 echo "healthcheck: $("${PODMAN[@]}" image inspect --format '{{json .HealthCheck.Test}}' "$tag")"
 
-cleanup() { "${PODMAN[@]}" rm -f -t 0 ilb-test ilb-sim-test >/dev/null 2>&1 || true; }
+cleanup() { "${PODMAN[@]}" rm -f -t 0 ilb-test ilb-sim-test >/dev/null 2>&1 || true; rm -rf "$ctx"; }
 trap cleanup EXIT
 cleanup
 "${PODMAN[@]}" run -d --name ilb-sim-test --network host --entrypoint vllm-sim "$tag" \
