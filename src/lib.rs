@@ -155,7 +155,7 @@ pub async fn run_reloadable(
         metrics,
         backend_header,
         auth: Arc::new(arc_swap::ArcSwap::from_pointee(
-            front_door::auth::Auth::from_config(&config.auth)?,
+            front_door::auth::Auth::with_priorities(&config.auth, &config.priority)?,
         )),
         decisions,
     });

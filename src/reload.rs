@@ -55,7 +55,7 @@ impl Live {
         next.validate()?;
         let old = self.state.config.load_full();
         let profile = build_active_reusing(&next, Some(&self.scheduler.profile()))?;
-        let auth = Auth::from_config(&next.auth)?;
+        let auth = Auth::with_priorities(&next.auth, &next.priority)?;
         // Everything is valid: swap.
         self.scheduler.set_profile(profile);
         self.state.auth.store(Arc::new(auth));
