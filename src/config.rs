@@ -313,8 +313,9 @@ impl PriorityConfig {
         for (i, c) in self.classes.iter().enumerate() {
             let ok = !c.is_empty()
                 && c.len() <= 32
-                && c.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+                && c.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
             if !ok {
                 return Err(ConfigError::invalid(
                     format!("priority.classes[{i}]"),
@@ -1066,13 +1067,31 @@ mod tests {
         assert_eq!(c.priority.index("batch"), Some(2));
         for (extra, field) in [
             ("[priority]\nclasses = []\n", "priority.classes"),
-            ("[priority]\nclasses = [\"a\", \"a\"]\ndefault_class = \"a\"\nmax_class = \"a\"\n", "priority.classes[1]"),
-            ("[priority]\nclasses = [\"Has Space\"]\n", "priority.classes[0]"),
-            ("[priority]\ndefault_class = \"gold\"\n", "priority.default_class"),
+            (
+                "[priority]\nclasses = [\"a\", \"a\"]\ndefault_class = \"a\"\nmax_class = \"a\"\n",
+                "priority.classes[1]",
+            ),
+            (
+                "[priority]\nclasses = [\"Has Space\"]\n",
+                "priority.classes[0]",
+            ),
+            (
+                "[priority]\ndefault_class = \"gold\"\n",
+                "priority.default_class",
+            ),
             ("[priority]\nmax_class = \"gold\"\n", "priority.max_class"),
-            ("[priority.queue_timeout_ms]\ngold = 5\n", "priority.queue_timeout_ms.gold"),
-            ("[priority.queue_timeout_ms]\nbatch = 0\n", "priority.queue_timeout_ms.batch"),
-            ("[[priority.keys]]\nkey = \"k\"\nmax_class = \"gold\"\n", "priority.keys[0].max_class"),
+            (
+                "[priority.queue_timeout_ms]\ngold = 5\n",
+                "priority.queue_timeout_ms.gold",
+            ),
+            (
+                "[priority.queue_timeout_ms]\nbatch = 0\n",
+                "priority.queue_timeout_ms.batch",
+            ),
+            (
+                "[[priority.keys]]\nkey = \"k\"\nmax_class = \"gold\"\n",
+                "priority.keys[0].max_class",
+            ),
             ("[priority]\nheader = \"bad header\"\n", "priority.header"),
             ("session_header = \"bad header\"\n", "session_header"),
         ] {

@@ -144,6 +144,7 @@ pub async fn run_reloadable(
         &config.forward,
         &config.limits,
         &config.outlier_detection,
+        &config.priority,
     );
     let service = tower::ServiceBuilder::new()
         .layer(layer.clone())

@@ -59,8 +59,12 @@ impl Live {
         // Everything is valid: swap.
         self.scheduler.set_profile(profile);
         self.state.auth.store(Arc::new(auth));
-        self.layer
-            .reload(&next.forward, &next.limits, &next.outlier_detection);
+        self.layer.reload(
+            &next.forward,
+            &next.limits,
+            &next.outlier_detection,
+            &next.priority,
+        );
         self.forwarder.set_outlier(&next.outlier_detection);
         if next.discovery.source == DiscoverySource::Static {
             let desired = next

@@ -32,8 +32,8 @@ use crate::endpoints::Pool;
 use crate::error::Error;
 use crate::forward::{Forwarder, ProxyRequest};
 use crate::prompt::{Operation, RequestView};
-use crate::scheduling::profile::decisions::{self, DecisionLog, RequestTrace};
 use crate::scheduling::priority::{class_of, ClassRule};
+use crate::scheduling::profile::decisions::{self, DecisionLog, RequestTrace};
 use crate::scheduling::SchedulerService;
 use crate::telemetry as t;
 

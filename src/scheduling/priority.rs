@@ -51,13 +51,21 @@ mod tests {
         assert_eq!(global, ClassRule { default: 1, max: 1 });
         let h = |s: &'static str| HeaderValue::from_static(s);
         assert_eq!(class_of(&cfg, None, global), 1);
-        assert_eq!(class_of(&cfg, Some(&h("batch")), global), 2, "demotion is free");
+        assert_eq!(
+            class_of(&cfg, Some(&h("batch")), global),
+            2,
+            "demotion is free"
+        );
         assert_eq!(
             class_of(&cfg, Some(&h("interactive")), global),
             1,
             "no self-promotion"
         );
-        assert_eq!(class_of(&cfg, Some(&h("gold")), global), 1, "unknown → default");
+        assert_eq!(
+            class_of(&cfg, Some(&h("gold")), global),
+            1,
+            "unknown → default"
+        );
         let vip = ClassRule { default: 1, max: 0 };
         assert_eq!(class_of(&cfg, Some(&h("interactive")), vip), 0);
         assert_eq!(class_of(&cfg, None, vip), 1);
