@@ -64,6 +64,9 @@ pub struct Stats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub steps: u64,
+    /// LoRA adapter loads into a slot (an adapter admitted while not resident); not a vLLM
+    /// series, only here and in `/sim/stats`.
+    pub lora_loads: u64,
 }
 
 /// Shared between the engine task and everything that reads its state.
@@ -210,6 +213,7 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         cfg,
         shared,
         steps: 0,
+        lora_loads: 0,
         stats: Stats::default(),
     };
     (handle, engine.run(rx))
@@ -220,6 +224,7 @@ struct Engine {
     cfg: EngineConfig,
     shared: Arc<Shared>,
     steps: u64,
+    lora_loads: u64,
     stats: Stats,
 }
 
@@ -279,6 +284,7 @@ impl Engine {
             let mut m = self.shared.metrics();
             m.iteration_tokens.observe(plan.tokens as f64);
             m.preemptions += u64::from(plan.preempted);
+            self.lora_loads += u64::from(plan.lora_loads);
             m.prefix_queries += plan.prefix_queries;
             m.prefix_hits += plan.prefix_hits;
             let mut first_tokens = Vec::new();
@@ -396,6 +402,7 @@ impl Engine {
             prompt_tokens: m.prompt_tokens_cached + m.prompt_tokens_computed,
             generation_tokens: m.generation_tokens,
             steps: self.steps,
+            lora_loads: self.lora_loads,
         };
         drop(m);
         *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
