@@ -46,6 +46,12 @@ pub struct CompareConfig {
     /// Wall-clock time allowed to in-flight requests after sending stops.
     pub drain_timeout: Duration,
     pub progress: bool,
+    /// Sent as each request's session id header (session affinity).
+    pub session_header: Option<String>,
+    /// Mixed-adapter traffic: the simulators serve these LoRA adapters (`--lora-modules`) with
+    /// `max_loras` slots, and each session asks for one of them.
+    pub adapters: Vec<String>,
+    pub max_loras: usize,
 }
 
 /// KV blocks per backend so that `tokens` fill `fraction` of `backends` caches:
@@ -61,6 +67,9 @@ pub struct Row {
     pub policy: String,
     pub summary: Option<Summary>,
     pub failure: Option<String>,
+    /// Mixed-adapter runs: LoRA adapter loads over the fleet (`/sim/stats` `lora_loads`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_loads: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -96,6 +105,16 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
         num_gpu_blocks: blocks,
         max_num_seqs: cfg.max_num_seqs,
         time_scale: cfg.time_scale,
+        lora_modules: cfg
+            .adapters
+            .iter()
+            .map(|name| vllm_sim::LoraModule {
+                name: name.clone(),
+                path: format!("/adapters/{name}"),
+                base_model_name: None,
+            })
+            .collect(),
+        max_loras: cfg.max_loras.max(1),
         ..SimConfig::default()
     };
     let model = sim.model_names().first().cloned().unwrap_or_default();
@@ -121,6 +140,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                 policy: policy.name().into(),
                 summary: None,
                 failure: Some(e.to_string()),
+                lora_loads: None,
             },
             Ok(r) => {
                 let run = RunConfig {
@@ -130,6 +150,8 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                         model: model.clone(),
                         stream: true,
                         backend_header: "x-inferlb-backend".into(),
+                        session_header: cfg.session_header.clone(),
+                        adapters: cfg.adapters.clone(),
                     },
                     arrival: cfg.arrival.scaled(ts),
                     max_requests: cfg.max_requests,
@@ -156,16 +178,22 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                             policy: policy.name().into(),
                             summary: Some(out.summary),
                             failure: None,
+                            lora_loads: None,
                         }
                     }
                     Err(e) => Row {
                         policy: policy.name().into(),
                         summary: None,
                         failure: Some(e.to_string()),
+                        lora_loads: None,
                     },
                 }
             }
         };
+        let mut row = row;
+        if !cfg.adapters.is_empty() {
+            row.lora_loads = Some(fleet.iter().map(|s| s.stats().lora_loads).sum());
+        }
         for s in fleet {
             s.shutdown().await;
         }
@@ -305,6 +333,19 @@ impl CompareOutput {
             if let Some(f) = &r.failure {
                 let _ = writeln!(s, "- {}: {f}", r.policy);
             }
+        }
+        let loads: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|r| r.lora_loads.map(|n| format!("{} {n}", r.policy)))
+            .collect();
+        if !loads.is_empty() {
+            let _ = writeln!(
+                s,
+                "LoRA adapter loads over the fleet (an adapter admitted while not in one of its \
+                 backend's slots): {}.",
+                loads.join(", ")
+            );
         }
         s
     }

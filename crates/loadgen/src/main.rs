@@ -188,6 +188,13 @@ struct RunArgs {
     /// Response header naming the backend that served a request.
     #[arg(long, default_value = "x-inferlb-backend")]
     backend_header: String,
+    /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
+    #[arg(long)]
+    session_header: Option<String>,
+    /// Mixed-adapter traffic: comma-separated LoRA adapter names; each session asks for one
+    /// (uniform, stable per session) instead of --model.
+    #[arg(long, value_delimiter = ',')]
+    adapters: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -239,6 +246,16 @@ struct CompareArgs {
     /// A line for the results header (repeatable), e.g. the versions of external routers.
     #[arg(long = "note", value_name = "TEXT")]
     notes: Vec<String>,
+    /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
+    #[arg(long)]
+    session_header: Option<String>,
+    /// Mixed-adapter traffic: the simulators serve these LoRA adapters (comma-separated) and
+    /// each session asks for one (uniform, stable per session); LoRA loads are reported.
+    #[arg(long, value_delimiter = ',')]
+    adapters: Vec<String>,
+    /// LoRA slots per simulator (`--max-loras`) for --adapters.
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
 }
 
 fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
@@ -319,6 +336,8 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
             model,
             stream: !a.no_stream,
             backend_header: a.backend_header.clone(),
+            session_header: a.session_header.clone(),
+            adapters: a.adapters.clone(),
         },
         duration: secs(a.arrival.duration),
         drain_timeout: secs(a.arrival.drain_secs),
@@ -423,6 +442,9 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         ready_timeout: Duration::from_secs(a.ready_timeout_secs),
         drain_timeout: secs(a.arrival.drain_secs),
         progress: true,
+        session_header: a.session_header.clone(),
+        adapters: a.adapters.clone(),
+        max_loras: a.max_loras,
     };
     if !a.inferlb_bin.exists()
         && cfg
