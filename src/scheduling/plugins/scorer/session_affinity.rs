@@ -67,7 +67,8 @@ impl SessionAffinityScorer {
 
     pub fn from_parameters(name: &str, table: &toml::Table) -> Result<Self, ConfigError> {
         let p: Params = parameters(name, table)?;
-        if !(p.load_factor >= 1.0 && p.load_factor <= 100.0) || !(p.max_waiting >= 0.0) {
+        if !(1.0..=100.0).contains(&p.load_factor) || p.max_waiting.is_nan() || p.max_waiting < 0.0
+        {
             return Err(ConfigError::invalid(
                 format!("plugins.{name}.parameters"),
                 "load_factor must be within 1..=100 and max_waiting at least 0",
