@@ -41,6 +41,8 @@ COLUMNS = [
     ("hit/max", lambda s: s.get("hit_rate_vs_max"), "{:.2f}"),
     ("preempt", lambda s: (s.get("fleet") or {}).get("preemptions"), "{:.0f}"),
     ("errors", lambda s: sum(s.get("errors", {}).values()), "{:.0f}"),
+    # Mixed-adapter runs only (`--adapters`): the row's fleet-wide LoRA adapter loads.
+    ("LoRA loads", lambda s: s.get("_lora_loads"), "{:.0f}"),
 ]
 
 
@@ -101,6 +103,7 @@ def main():
             s = row.get("summary")
             if not s:
                 continue
+            s["_lora_loads"] = row.get("lora_loads")
             for c, get, _ in COLUMNS:
                 v = get(s)
                 if v is not None:

@@ -61,6 +61,10 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Response header naming the backend that served the request.
     pub backend_header: String,
+    /// Request header naming the client's session (read by `session-affinity-scorer`).
+    pub session_header: String,
+    /// Key sessions by the OpenAI `user` field when a request has one (else the header).
+    pub session_from_user: bool,
     /// A per-backend gauge not refreshed for this long leaves `/metrics` (the series of a
     /// backend that left the pool); at least three poll intervals are used.
     pub metrics_idle_timeout_ms: u64,
@@ -70,6 +74,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub outlier_detection: OutlierConfig,
     pub auth: AuthConfig,
+    /// Priority classes of queued requests and who may use them.
+    pub priority: PriorityConfig,
     /// Extra engines (metric name sets) beside the built-in `vllm` and `sglang`.
     pub engines: BTreeMap<String, EngineMetricNames>,
     pub backends: Vec<BackendConfig>,
@@ -145,6 +151,8 @@ impl Default for Config {
             log_level: "info".into(),
             max_body_bytes: 32 * 1024 * 1024,
             backend_header: "x-inferlb-backend".into(),
+            session_header: "x-session-id".into(),
+            session_from_user: false,
             metrics_idle_timeout_ms: 60_000,
             server: ServerConfig::default(),
             poller: PollerConfig::default(),
@@ -152,6 +160,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             outlier_detection: OutlierConfig::default(),
             auth: AuthConfig::default(),
+            priority: PriorityConfig::default(),
             engines: BTreeMap::new(),
             backends: Vec::new(),
             discovery: DiscoveryConfig::default(),
@@ -268,6 +277,131 @@ pub struct AuthConfig {
     pub burst: f64,
     /// Requests in flight per key (0 = unlimited).
     pub max_concurrent_per_key: usize,
+}
+
+/// The most priority classes a config may define (each is a metric label value).
+pub const MAX_PRIORITY_CLASSES: usize = 8;
+
+/// `[priority]`: classes of requests waiting for a backend slot, highest first. A request asks
+/// for a class with the `header`; it gets at most its `max_class` (per API key, else the
+/// global one) and `default_class` when it asks for none or for an unknown name.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PriorityConfig {
+    pub header: String,
+    /// Class names, highest priority first (1..=8, `[a-z0-9_-]`, at most 32 bytes each).
+    pub classes: Vec<String>,
+    pub default_class: String,
+    /// The highest class a request may ask for.
+    pub max_class: String,
+    /// Per-class queue timeouts (ms) replacing `limits.queue_timeout_ms`.
+    pub queue_timeout_ms: BTreeMap<String, u64>,
+    /// Per-API-key default and ceiling.
+    pub keys: Vec<KeyPriority>,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        PriorityConfig {
+            header: "x-inferlb-priority".into(),
+            classes: vec!["interactive".into(), "standard".into(), "batch".into()],
+            default_class: "standard".into(),
+            max_class: "standard".into(),
+            queue_timeout_ms: BTreeMap::new(),
+            keys: Vec::new(),
+        }
+    }
+}
+
+/// `[[priority.keys]]`: the class rules of one API key (one of `auth.api_keys` or the files).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KeyPriority {
+    pub key: String,
+    /// Defaults to `priority.default_class`.
+    #[serde(default)]
+    pub default_class: Option<String>,
+    /// Defaults to `priority.max_class`.
+    #[serde(default)]
+    pub max_class: Option<String>,
+}
+
+impl PriorityConfig {
+    /// The index (0 = highest) of class `name`.
+    pub fn index(&self, name: &str) -> Option<u8> {
+        self.classes
+            .iter()
+            .position(|c| c == name)
+            .and_then(|i| u8::try_from(i).ok())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let n = self.classes.len();
+        if n == 0 || n > MAX_PRIORITY_CLASSES {
+            return Err(ConfigError::invalid(
+                "priority.classes",
+                format!("needs 1..={MAX_PRIORITY_CLASSES} classes"),
+            ));
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            let ok = !c.is_empty()
+                && c.len() <= 32
+                && c.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
+            if !ok {
+                return Err(ConfigError::invalid(
+                    format!("priority.classes[{i}]"),
+                    format!("`{c}`: class names are 1..=32 of [a-z0-9_-]"),
+                ));
+            }
+            if self.classes[..i].contains(c) {
+                return Err(ConfigError::invalid(
+                    format!("priority.classes[{i}]"),
+                    format!("`{c}` is listed twice"),
+                ));
+            }
+        }
+        let known = |field: String, name: &str| {
+            if self.index(name).is_some() {
+                Ok(())
+            } else {
+                Err(ConfigError::invalid(
+                    field,
+                    format!(
+                        "unknown class `{name}` (classes: {})",
+                        self.classes.join(", ")
+                    ),
+                ))
+            }
+        };
+        known("priority.default_class".into(), &self.default_class)?;
+        known("priority.max_class".into(), &self.max_class)?;
+        for (name, ms) in &self.queue_timeout_ms {
+            known(format!("priority.queue_timeout_ms.{name}"), name)?;
+            if *ms == 0 {
+                return Err(ConfigError::invalid(
+                    format!("priority.queue_timeout_ms.{name}"),
+                    "must be greater than 0",
+                ));
+            }
+        }
+        for (i, k) in self.keys.iter().enumerate() {
+            if let Some(c) = &k.default_class {
+                known(format!("priority.keys[{i}].default_class"), c)?;
+            }
+            if let Some(c) = &k.max_class {
+                known(format!("priority.keys[{i}].max_class"), c)?;
+            }
+        }
+        if http::HeaderName::from_bytes(self.header.as_bytes()).is_err() {
+            return Err(ConfigError::invalid(
+                "priority.header",
+                format!("`{}` is not a valid header name", self.header),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The metrics and model poller.
@@ -827,13 +961,15 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        let value = &self.backend_header;
-        http::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
-            ConfigError::invalid(
-                "backend_header",
-                format!("`{value}` is not a valid header name"),
-            )
-        })?;
+        for (field, value) in [
+            ("backend_header", &self.backend_header),
+            ("session_header", &self.session_header),
+        ] {
+            http::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
+                ConfigError::invalid(field, format!("`{value}` is not a valid header name"))
+            })?;
+        }
+        self.priority.validate()?;
         Ok(())
     }
 
@@ -972,6 +1108,59 @@ mod tests {
     }
 
     #[test]
+    fn priority_classes_are_checked_and_named() {
+        let base = "[[backends]]\nurl = \"http://h:1\"\n";
+        let c = Config::from_toml(base, "t").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.priority.index("interactive"), Some(0));
+        assert_eq!(c.priority.index("batch"), Some(2));
+        for (extra, field) in [
+            ("[priority]\nclasses = []\n", "priority.classes"),
+            (
+                "[priority]\nclasses = [\"a\", \"a\"]\ndefault_class = \"a\"\nmax_class = \"a\"\n",
+                "priority.classes[1]",
+            ),
+            (
+                "[priority]\nclasses = [\"Has Space\"]\n",
+                "priority.classes[0]",
+            ),
+            (
+                "[priority]\ndefault_class = \"gold\"\n",
+                "priority.default_class",
+            ),
+            ("[priority]\nmax_class = \"gold\"\n", "priority.max_class"),
+            (
+                "[priority.queue_timeout_ms]\ngold = 5\n",
+                "priority.queue_timeout_ms.gold",
+            ),
+            (
+                "[priority.queue_timeout_ms]\nbatch = 0\n",
+                "priority.queue_timeout_ms.batch",
+            ),
+            (
+                "[[priority.keys]]\nkey = \"k\"\nmax_class = \"gold\"\n",
+                "priority.keys[0].max_class",
+            ),
+            ("[priority]\nheader = \"bad header\"\n", "priority.header"),
+            ("session_header = \"bad header\"\n", "session_header"),
+        ] {
+            let text = if extra.starts_with('[') {
+                format!("{base}{extra}")
+            } else {
+                format!("{extra}{base}")
+            };
+            let err = Config::from_toml(&text, "t")
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{extra}: {err}");
+        }
+        let err = Config::from_toml("[priority]\nlevels = 3\n", "t").unwrap_err();
+        assert!(err.to_string().contains("levels"), "{err}");
+    }
+
+    #[test]
     fn bad_header_name_is_rejected() {
         let c = Config::from_toml(
             "backend_header = \"bad header\"\n[[backends]]\nurl = \"http://h:1\"\n",
@@ -1022,6 +1211,9 @@ mod shipped {
             d.forward.forward_client_authorization
         );
         assert_eq!(c.backend_header, d.backend_header);
+        assert_eq!(c.session_header, d.session_header);
+        assert_eq!(c.session_from_user, d.session_from_user);
+        assert_eq!(c.priority, d.priority);
         assert_eq!(
             c.server.header_read_timeout_ms,
             d.server.header_read_timeout_ms

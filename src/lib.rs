@@ -156,6 +156,7 @@ pub async fn run_reloadable(
         &config.forward,
         &config.limits,
         &config.outlier_detection,
+        &config.priority,
     );
     let service = tower::ServiceBuilder::new()
         .layer(layer.clone())
@@ -167,7 +168,7 @@ pub async fn run_reloadable(
         metrics,
         backend_header,
         auth: Arc::new(arc_swap::ArcSwap::from_pointee(
-            front_door::auth::Auth::from_config(&config.auth)?,
+            front_door::auth::Auth::with_priorities(&config.auth, &config.priority)?,
         )),
         decisions,
         tokenizers: Arc::new(tokenization::Tokenizers::load(&config.tokenization)?),

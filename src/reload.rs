@@ -55,12 +55,16 @@ impl Live {
         next.validate()?;
         let old = self.state.config.load_full();
         let profile = build_active_reusing(&next, Some(&self.scheduler.profile()))?;
-        let auth = Auth::from_config(&next.auth)?;
+        let auth = Auth::with_priorities(&next.auth, &next.priority)?;
         // Everything is valid: swap.
         self.scheduler.set_profile(profile);
         self.state.auth.store(Arc::new(auth));
-        self.layer
-            .reload(&next.forward, &next.limits, &next.outlier_detection);
+        self.layer.reload(
+            &next.forward,
+            &next.limits,
+            &next.outlier_detection,
+            &next.priority,
+        );
         self.forwarder.set_outlier(&next.outlier_detection);
         if next.discovery.source == DiscoverySource::Static {
             let desired = next

@@ -45,6 +45,8 @@ pub const TOKENIZE_SKIPPED_TOTAL: &str = "inferlb_tokenize_skipped_total";
 pub const BACKENDS: &str = "inferlb_backends";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
+pub const QUEUED_BY_CLASS: &str = "inferlb_requests_queued_by_class";
+pub const QUEUE_SHED: &str = "inferlb_queue_shed_total";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 pub const KV_STREAMS: &str = "inferlb_kv_event_streams";
@@ -79,7 +81,9 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer)."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
-    (QUEUE_WAIT, "Time requests waited in the router's queue before being dispatched or refused."),
+    (QUEUE_WAIT, "Time requests waited in the router's queue for a backend slot before being dispatched or refused, by priority class."),
+    (QUEUED_BY_CLASS, "Requests waiting for a backend slot, by priority class."),
+    (QUEUE_SHED, "Requests refused by the capacity queue with 429, by priority class and reason (full: the queue was full and nothing less deserving could be shed; displaced: shed for a higher-class or lighter-tenant arrival; deadline: the class's queue timeout passed)."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
     (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),

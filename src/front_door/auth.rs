@@ -9,6 +9,10 @@
 //! requests per second and a cap on concurrent requests, both answered with 429 and
 //! `Retry-After`.
 //!
+//! The gate also tags every request with its [`Tenant`] (the key, or the address when no keys
+//! are configured) and the key's priority-class rules, for the capacity queue's fairness and
+//! priority classes.
+//!
 //! Per-client state lives in a bounded `moka` cache (at most 100,000 clients, dropped after
 //! 10 idle minutes), each entry holding its own direct `governor` limiter. governor's keyed
 //! limiter would keep every key ever seen in its map until `retain_recent` is called; a flood of
@@ -30,15 +34,25 @@ use http::header::AUTHORIZATION;
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
-use crate::config::{AuthConfig, ConfigError};
+use crate::config::{AuthConfig, ConfigError, PriorityConfig};
 use crate::error::Error;
 use crate::scheduling::admission::hold;
+use crate::scheduling::priority::ClassRule;
 
 /// Who is asking: the index of their key, or their address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Client {
     Key(usize),
     Ip(IpAddr),
+}
+
+/// Who sent a request, as the gate identified it (a request extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tenant {
+    /// XXH3 of the key, or of the client address when no keys are configured.
+    pub id: u64,
+    /// The key's own class rules (`[[priority.keys]]`), if it has any.
+    pub classes: Option<ClassRule>,
 }
 
 struct ClientState {
@@ -49,6 +63,8 @@ struct ClientState {
 
 pub struct Auth {
     keys: Vec<Box<[u8]>>,
+    /// `[[priority.keys]]` rules, by key index.
+    rules: Vec<Option<ClassRule>>,
     admin_token: Option<Box<[u8]>>,
     quota: Option<Quota>,
     max_concurrent: usize,
@@ -93,6 +109,14 @@ fn bearer(req: &Request) -> Option<&[u8]> {
 
 impl Auth {
     pub fn from_config(cfg: &AuthConfig) -> Result<Self, ConfigError> {
+        Self::with_priorities(cfg, &PriorityConfig::default())
+    }
+
+    /// Keys and limits from `cfg`, with the per-key class rules of `priority`.
+    pub fn with_priorities(
+        cfg: &AuthConfig,
+        priority: &PriorityConfig,
+    ) -> Result<Self, ConfigError> {
         let mut keys: Vec<String> = cfg.api_keys.clone();
         if let Some(path) = &cfg.api_keys_file {
             let text = std::fs::read_to_string(path).map_err(|e| {
@@ -125,7 +149,26 @@ impl Auth {
                 "keys must be non-empty and contain no spaces",
             ));
         }
+        let mut rules = vec![None; keys.len()];
+        for (i, rule) in priority.keys.iter().enumerate() {
+            let Some(at) = keys.iter().position(|k| *k == rule.key) else {
+                return Err(ConfigError::invalid(
+                    format!("priority.keys[{i}].key"),
+                    "is not one of the configured API keys",
+                ));
+            };
+            let class = |name: &Option<String>, fallback: &str| {
+                priority
+                    .index(name.as_deref().unwrap_or(fallback))
+                    .unwrap_or(0)
+            };
+            rules[at] = Some(ClassRule {
+                default: class(&rule.default_class, &priority.default_class),
+                max: class(&rule.max_class, &priority.max_class),
+            });
+        }
         Ok(Auth {
+            rules,
             keys: keys
                 .into_iter()
                 .map(|k| k.into_bytes().into_boxed_slice())
@@ -165,6 +208,22 @@ impl Auth {
         found.map(Client::Key).ok_or(Error::Unauthorized)
     }
 
+    fn tenant(&self, client: Client) -> Tenant {
+        match client {
+            Client::Key(i) => Tenant {
+                id: self
+                    .keys
+                    .get(i)
+                    .map_or(0, |k| xxhash_rust::xxh3::xxh3_64_with_seed(k, 1)),
+                classes: self.rules.get(i).copied().flatten(),
+            },
+            Client::Ip(ip) => Tenant {
+                id: xxhash_rust::xxh3::xxh3_64_with_seed(ip.to_string().as_bytes(), 2),
+                classes: None,
+            },
+        }
+    }
+
     fn state(&self, client: Client) -> Arc<ClientState> {
         self.clients.get_with(client, || {
             Arc::new(ClientState {
@@ -193,18 +252,16 @@ impl Auth {
 /// Middleware for the OpenAI routes.
 pub async fn client_gate(
     State(auth): State<Arc<ArcSwap<Auth>>>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
     // The keys and limits in effect now (a reload swaps them).
     let auth = auth.load_full();
-    if !auth.enabled() && !auth.limits_on() {
-        return next.run(req).await;
-    }
     let client = match auth.identify(&req) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
+    req.extensions_mut().insert(auth.tenant(client));
     if !auth.limits_on() {
         return next.run(req).await;
     }

@@ -32,6 +32,7 @@ use crate::endpoints::Pool;
 use crate::error::Error;
 use crate::forward::{Forwarder, ProxyRequest};
 use crate::prompt::{Operation, RequestView};
+use crate::scheduling::priority::{class_of, ClassRule};
 use crate::scheduling::profile::decisions::{self, DecisionLog, RequestTrace};
 use crate::scheduling::SchedulerService;
 use crate::telemetry as t;
@@ -223,7 +224,7 @@ async fn forward(
     model_label: &mut Option<String>,
     facts: &mut Facts,
 ) -> Result<Response, Error> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let config = app.config.load();
     let server = &config.server;
     let body = tokio::time::timeout(
@@ -260,6 +261,7 @@ async fn forward(
     if form_boundary.is_none() {
         app.tokenizers.fill(&mut view, &body);
     }
+    tag(&config, &mut parts, &mut view);
     let request_id = parts
         .headers
         .get("x-request-id")
@@ -289,6 +291,28 @@ async fn forward(
         received_at,
     };
     app.service.clone().oneshot(request).await
+}
+
+/// Fill in the view's session key, tenant and priority class from the headers and the auth
+/// gate's [`auth::Tenant`]; the priority header is for the router and is taken off.
+fn tag(config: &Config, parts: &mut http::request::Parts, view: &mut RequestView) {
+    let header = parts
+        .headers
+        .get(config.session_header.as_str())
+        .filter(|v| !v.is_empty())
+        .map(|v| xxhash_rust::xxh3::xxh3_64(v.as_bytes()));
+    view.session = if config.session_from_user {
+        view.user.or(header)
+    } else {
+        header
+    };
+    let tenant = parts.extensions.get::<auth::Tenant>().copied();
+    view.tenant = tenant.map_or(0, |t| t.id);
+    let rule = tenant
+        .and_then(|t| t.classes)
+        .unwrap_or_else(|| ClassRule::global(&config.priority));
+    let asked = parts.headers.remove(config.priority.header.as_str());
+    view.priority = class_of(&config.priority, asked.as_ref(), rule);
 }
 
 /// `.` or `..` path segments, raw or percent-encoded: a backend that normalises them could be

@@ -82,6 +82,16 @@ pub struct RequestView {
     pub routing_text: Option<String>,
     /// The prompt's token ids when they are known (see [`crate::tokenization`]).
     pub tokens: Option<Arc<PromptTokens>>,
+    /// XXH3 of the OpenAI `user` field, when the body has one.
+    pub user: Option<u64>,
+    /// XXH3 of the client's session key (the session header, or `user` when configured); set
+    /// by the front door, read by `session-affinity-scorer`.
+    pub session: Option<u64>,
+    /// Priority class (0 = highest, an index into `priority.classes`); set by the front door.
+    pub priority: u8,
+    /// Who sent the request (XXH3 of the API key, else of the client address); set by the
+    /// front door, the unit of fairness in the capacity queue.
+    pub tenant: u64,
 }
 
 impl RequestView {
@@ -118,6 +128,10 @@ impl RequestView {
             stream: false,
             routing_text: None,
             tokens: None,
+            user: None,
+            session: None,
+            priority: 0,
+            tenant: 0,
         }
     }
 }
@@ -134,9 +148,9 @@ struct ChatBody<'a> {
     messages: Option<Bounded<Message<'a>>>,
     #[serde(default)]
     stream: Option<bool>,
-    /// Type-checked only (a string), like vLLM does; not used for routing.
-    #[serde(borrow, default, rename = "user")]
-    _user: Option<Cow<'a, str>>,
+    /// A string, like vLLM checks; its hash may key the session.
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
     #[serde(default)]
@@ -302,6 +316,10 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         stream: chat.stream.unwrap_or(false),
         routing_text: Some(text),
         tokens: None,
+        user: chat.user.map(|u| xxh3_64(u.as_bytes())),
+        session: None,
+        priority: 0,
+        tenant: 0,
     })
 }
 
@@ -358,9 +376,9 @@ struct CompletionBody<'a> {
     prompt: Option<Prompt<'a>>,
     #[serde(default)]
     stream: Option<bool>,
-    /// Type-checked only (a string); not used for routing.
-    #[serde(borrow, default, rename = "user")]
-    _user: Option<Cow<'a, str>>,
+    /// A string; its hash may key the session.
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
     #[serde(default)]
     temperature: Option<f64>,
     #[serde(default)]
@@ -437,6 +455,10 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         stream: req.stream.unwrap_or(false),
         routing_text: Some(text),
         tokens,
+        user: req.user.map(|u| xxh3_64(u.as_bytes())),
+        session: None,
+        priority: 0,
+        tenant: 0,
     })
 }
 
@@ -444,17 +466,20 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
 struct OtherBody<'a> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    /// Type-checked only (a string); not used for routing.
-    #[serde(borrow, default, rename = "user")]
-    _user: Option<Cow<'a, str>>,
+    /// A string; its hash may key the session.
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
 }
 
 fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
-    let model = if body.iter().all(u8::is_ascii_whitespace) {
-        None
+    let (model, user) = if body.iter().all(u8::is_ascii_whitespace) {
+        (None, None)
     } else {
         let req: OtherBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-        req.model.map(Cow::into_owned)
+        (
+            req.model.map(Cow::into_owned),
+            req.user.map(|u| xxh3_64(u.as_bytes())),
+        )
     };
     Ok(RequestView {
         operation: Operation::Other,
@@ -462,6 +487,10 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         stream: false,
         routing_text: None,
         tokens: None,
+        user,
+        session: None,
+        priority: 0,
+        tenant: 0,
     })
 }
 

@@ -1,8 +1,10 @@
 //! The tower layer that puts scheduling in front of a forwarding service.
 //!
 //! For each request it: takes a router-wide in-flight permit (when `limits.max_inflight` is
-//! set, queueing FIFO up to `queue_timeout`); asks the [`Scheduler`] for a backend and its
-//! in-flight slot, waiting for a slot when every eligible backend is at its per-backend limit;
+//! set, queueing FIFO up to its class's queue timeout); asks the [`Scheduler`] for a backend
+//! and its in-flight slot, waiting for a slot when every eligible backend is at its
+//! per-backend limit (in the capacity queue: priority classes, tenants in turn, lower classes
+//! shed first — see [`crate::endpoints::capacity`]);
 //! dispatches; and, when the attempt failed before any byte reached the client (connection
 //! refused or reset, or a 5xx/429 answer), retries on another backend after a jittered
 //! backoff — as long as `max_attempts` and the windowed retry budget allow. A refused answer
@@ -26,8 +28,8 @@ use tower::{Layer, Service, ServiceExt};
 use super::admission::{acquire, hold, Queue, RetryBudget};
 use super::framework::CycleState;
 use super::{InflightGuard, Refused, Scheduler};
-use crate::config::{ForwardConfig, LimitsConfig, OutlierConfig};
-use crate::endpoints::capacity::Registration;
+use crate::config::{ForwardConfig, LimitsConfig, OutlierConfig, PriorityConfig};
+use crate::endpoints::capacity::{Outcome, Rank, Registration};
 use crate::endpoints::Backend;
 use crate::error::Error;
 use crate::forward::{discard, Dispatch, ProxyRequest};
@@ -75,18 +77,52 @@ impl RetryPolicy {
 struct Settings {
     retry: RetryPolicy,
     outlier: OutlierConfig,
-    queue_timeout: Duration,
+    /// How long a request of each priority class may wait, by class index.
+    queue_timeouts: Vec<Duration>,
+    /// The classes' names: the `class` label values (bounded by the config).
+    class_labels: Vec<Arc<str>>,
     max_inflight: usize,
     /// (ratio, min per second, window) the budget was built with.
     budget_params: (f64, u32, u64),
 }
 
 impl Settings {
-    fn new(forward: &ForwardConfig, limits: &LimitsConfig, outlier: &OutlierConfig) -> Self {
+    fn queue_timeout(&self, class: u8) -> Duration {
+        let last = self.queue_timeouts.last().copied().unwrap_or_default();
+        self.queue_timeouts
+            .get(usize::from(class))
+            .copied()
+            .unwrap_or(last)
+    }
+
+    fn class_label(&self, class: u8) -> String {
+        self.class_labels
+            .get(usize::from(class))
+            .map_or_else(|| "other".to_owned(), |l| l.to_string())
+    }
+
+    fn new(
+        forward: &ForwardConfig,
+        limits: &LimitsConfig,
+        outlier: &OutlierConfig,
+        priority: &PriorityConfig,
+    ) -> Self {
         Settings {
             retry: RetryPolicy::from_config(forward),
             outlier: outlier.clone(),
-            queue_timeout: Duration::from_millis(limits.queue_timeout_ms),
+            queue_timeouts: priority
+                .classes
+                .iter()
+                .map(|c| {
+                    let ms = priority.queue_timeout_ms.get(c);
+                    Duration::from_millis(ms.copied().unwrap_or(limits.queue_timeout_ms))
+                })
+                .collect(),
+            class_labels: priority
+                .classes
+                .iter()
+                .map(|c| Arc::from(c.as_str()))
+                .collect(),
             max_inflight: limits.max_inflight,
             budget_params: (
                 forward.retry_budget_ratio,
@@ -126,8 +162,9 @@ impl SchedulerLayer {
         forward: &ForwardConfig,
         limits: &LimitsConfig,
         outlier: &OutlierConfig,
+        priority: &PriorityConfig,
     ) -> Self {
-        let settings = Settings::new(forward, limits, outlier);
+        let settings = Settings::new(forward, limits, outlier, priority);
         SchedulerLayer {
             shared: Arc::new(Shared {
                 scheduler,
@@ -140,10 +177,17 @@ impl SchedulerLayer {
     }
 
     /// Apply reloaded settings: retry policy and budget, outlier detection, queue bound and
-    /// timeout, the router-wide in-flight limit. Requests in flight finish under the old ones.
-    pub fn reload(&self, forward: &ForwardConfig, limits: &LimitsConfig, outlier: &OutlierConfig) {
+    /// timeouts, priority classes, the router-wide in-flight limit. Requests in flight finish
+    /// under the old ones.
+    pub fn reload(
+        &self,
+        forward: &ForwardConfig,
+        limits: &LimitsConfig,
+        outlier: &OutlierConfig,
+        priority: &PriorityConfig,
+    ) {
         let s = &self.shared;
-        let next = Settings::new(forward, limits, outlier);
+        let next = Settings::new(forward, limits, outlier, priority);
         let old = s.settings.load();
         if old.budget_params != next.budget_params {
             s.budget.store(Arc::new(budget(next.budget_params)));
@@ -183,6 +227,13 @@ impl<S> SchedulerService<S> {
     /// Set the gauges that only change with traffic, before `/metrics` is rendered.
     pub fn refresh_metrics(&self) {
         self.shared.queue.refresh_gauge();
+        let settings = self.shared.settings.load();
+        let waiters = self.shared.scheduler.pool().waiters();
+        for (class, label) in settings.class_labels.iter().enumerate() {
+            let n = u8::try_from(class).map_or(0, |c| waiters.len_of(c));
+            metrics::gauge!(crate::telemetry::QUEUED_BY_CLASS, "class" => label.to_string())
+                .set(n as f64);
+        }
         for plugin in self.shared.scheduler.profile().plugins() {
             plugin.refresh_metrics();
         }
@@ -196,14 +247,25 @@ impl<S> SchedulerService<S> {
 
 impl Shared {
     /// Schedule, waiting (bounded) for a slot while every eligible backend is at its in-flight
-    /// limit. A freed slot is handed to exactly one waiter, the oldest that may use it.
+    /// limit. A freed slot is handed to exactly one waiter (highest class first, tenants in
+    /// turn); when the queue is full the arrival may shed a less deserving waiter.
     async fn schedule(
         &self,
         request: &ProxyRequest,
         state: &mut CycleState,
         exclude: &[usize],
         deadline: Instant,
+        settings: &Settings,
     ) -> Result<InflightGuard, Error> {
+        let rank = Rank {
+            class: request.view.priority,
+            tenant: request.view.tenant,
+        };
+        let shed = |reason: &'static str, class: u8| {
+            metrics::counter!(crate::telemetry::QUEUE_SHED, "class" => settings.class_label(class), "reason" => reason)
+                .increment(1);
+        };
+        let waiters = self.scheduler.pool().waiters();
         let mut place = None;
         loop {
             let started = std::time::Instant::now();
@@ -216,29 +278,50 @@ impl Shared {
                 Err(Refused::AtCapacity { eligible, limit }) => (eligible, limit),
             };
             if place.is_none() {
-                place = Some((self.queue.join()?, Instant::now()));
+                let joined = match self.queue.join() {
+                    Ok(joined) => joined,
+                    // Full: take the place of a waiter that deserves it less (it answers 429
+                    // and leaves its place as it wakes), else refuse this one.
+                    Err(full) => match waiters.shed_for(rank) {
+                        Some(_) => self.queue.join_over(),
+                        None => {
+                            shed("full", rank.class);
+                            return Err(full);
+                        }
+                    },
+                };
+                place = Some((joined, Instant::now()));
             }
             let waited = |place: &Option<(_, Instant)>| {
                 if let Some((_, since)) = place {
-                    metrics::histogram!(crate::telemetry::QUEUE_WAIT)
+                    metrics::histogram!(crate::telemetry::QUEUE_WAIT, "class" => settings.class_label(rank.class))
                         .record(since.elapsed().as_secs_f64());
                 }
             };
-            match self.scheduler.pool().waiters().register(&eligible, limit) {
+            match waiters.register(&eligible, limit, rank) {
                 // A slot freed up meanwhile: decide again (yield first, so a busy fleet
                 // cannot keep this task from letting others run).
                 Registration::Retry => tokio::task::yield_now().await,
                 Registration::Waiting(mut wait) => {
                     match tokio::time::timeout_at(deadline, wait.slot()).await {
-                        Ok(Some(slot)) => {
+                        Ok(Outcome::Slot(slot)) => {
                             waited(&place);
                             return Ok(self.scheduler.guard(slot, &request.view));
                         }
-                        Ok(None) => {
+                        Ok(Outcome::Shed) => {
+                            waited(&place);
+                            shed("displaced", rank.class);
+                            return Err(Error::TooManyRequests {
+                                reason: "the router's queue is full; requests of higher priority took this one's place".into(),
+                                retry_after_secs: 1,
+                            });
+                        }
+                        Ok(Outcome::Closed) => {
                             return Err(Error::Internal("the capacity queue went away".into()))
                         }
                         Err(_) => {
                             waited(&place);
+                            shed("deadline", rank.class);
                             return Err(Error::TooManyRequests {
                                 reason: "every eligible backend is at its concurrency limit".into(),
                                 retry_after_secs: 1,
@@ -292,7 +375,7 @@ where
         Box::pin(async move {
             let settings = s.settings.load_full();
             let budget = s.budget.load_full();
-            let deadline = Instant::now() + settings.queue_timeout;
+            let deadline = Instant::now() + settings.queue_timeout(request.view.priority);
             let semaphore = s.admission.load_full();
             let permit = match &*semaphore {
                 Some(semaphore) => Some(acquire(semaphore, &s.queue, deadline).await?),
@@ -306,7 +389,7 @@ where
             let mut excluded = Vec::new();
             let mut five_xx: Vec<Arc<Backend>> = Vec::new();
             let mut guard = s
-                .schedule(&request, &mut state, &excluded, deadline)
+                .schedule(&request, &mut state, &excluded, deadline, &settings)
                 .await?;
             let mut attempt = 1;
             loop {

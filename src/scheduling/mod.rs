@@ -4,6 +4,7 @@
 //! * [`plugins`] — the built-in plugins, one module per purpose.
 //! * [`registry`] — type name → factory.
 //! * [`profile`] — filters → weighted scores → picker, built from config.
+//! * [`priority`] — the priority class of a request (header, per-key default and ceiling).
 //! * this module — [`Scheduler`] (one decision, which takes the chosen backend's in-flight
 //!   slot), [`SchedulerLayer`] (the tower layer that wraps forwarding, waits for capacity and
 //!   retries failures elsewhere) and [`InflightGuard`].
@@ -12,6 +13,7 @@ pub mod admission;
 pub mod framework;
 pub mod layer;
 pub mod plugins;
+pub mod priority;
 pub mod profile;
 pub mod registry;
 

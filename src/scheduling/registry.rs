@@ -15,7 +15,8 @@ use super::plugins::picker::{
 };
 use super::plugins::scorer::{
     inflight::InflightScorer, kv_cache_utilization::KvCacheUtilizationScorer,
-    prefix_cache::PrefixCacheScorer, queue::QueueScorer,
+    lora_affinity::LoraAffinityScorer, prefix_cache::PrefixCacheScorer, queue::QueueScorer,
+    session_affinity::SessionAffinityScorer,
 };
 use crate::config::{ConfigError, PluginSpec};
 
@@ -148,6 +149,8 @@ pub const REGISTRY: &[Registration] = &[
     plain!(QueueScorer, Scorer),
     plain!(InflightScorer, Scorer),
     with_parameters!(PrefixCacheScorer, Scorer, "block_size = 32"),
+    with_parameters!(SessionAffinityScorer, Scorer, "load_factor = 1.5"),
+    plain!(LoraAffinityScorer, Scorer),
     plain!(MaxScorePicker, Picker),
     plain!(RandomPicker, Picker),
     plain!(WeightedRandomPicker, Picker),

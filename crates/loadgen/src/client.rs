@@ -28,12 +28,31 @@ pub struct Record {
 }
 
 /// How requests are sent.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct RequestOptions {
     pub model: String,
     pub stream: bool,
     /// Header naming the serving backend (inferlb's `x-inferlb-backend`).
     pub backend_header: String,
+    /// Send each request's session id in this header (`loadgen-<session>`), for session
+    /// affinity (inferlb's `x-session-id`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_header: Option<String>,
+    /// Mixed-adapter traffic: each session asks for one of these models (LoRA adapters),
+    /// chosen uniformly by a hash of the session id, instead of `model`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
+}
+
+impl RequestOptions {
+    /// The model session `session` asks for.
+    pub fn model_for(&self, session: u64) -> &str {
+        if self.adapters.is_empty() {
+            return &self.model;
+        }
+        let i = fastrand::Rng::with_seed(session ^ 0x1_0aa5).usize(..self.adapters.len());
+        &self.adapters[i]
+    }
 }
 
 /// Builds the HTTP client all requests share: keep-alive, HTTP/1.1, no proxies (loopback
@@ -50,12 +69,22 @@ pub fn http_client(pool: usize, timeout: Duration) -> Result<reqwest::Client, re
 
 /// The request body: `ignore_eos` makes every answer exactly `max_tokens` long on vLLM.
 pub fn body(opts: &RequestOptions, messages: &[ChatMessage], max_tokens: u32) -> Value {
+    body_for(opts, 0, messages, max_tokens)
+}
+
+/// The request body of session `session` (its model, see [`RequestOptions::model_for`]).
+pub fn body_for(
+    opts: &RequestOptions,
+    session: u64,
+    messages: &[ChatMessage],
+    max_tokens: u32,
+) -> Value {
     let messages: Vec<Value> = messages
         .iter()
         .map(|m| json!({"role": m.role, "content": m.content}))
         .collect();
     let mut b = json!({
-        "model": opts.model,
+        "model": opts.model_for(session),
         "messages": messages,
         "max_tokens": max_tokens,
         "ignore_eos": true,
@@ -73,14 +102,19 @@ pub async fn send(
     client: &reqwest::Client,
     base: &str,
     opts: &RequestOptions,
+    session: u64,
     messages: &[ChatMessage],
     max_tokens: u32,
 ) -> Record {
     let url = format!("{}/v1/chat/completions", base.trim_end_matches('/'));
-    let payload = body(opts, messages, max_tokens);
+    let payload = body_for(opts, session, messages, max_tokens);
     let start = Instant::now();
     let mut rec = Record::default();
-    let resp = match client.post(&url).json(&payload).send().await {
+    let mut req = client.post(&url).json(&payload);
+    if let Some(header) = &opts.session_header {
+        req = req.header(header.as_str(), format!("loadgen-{session}"));
+    }
+    let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
             rec.error = Some(error_kind(&e));
@@ -277,6 +311,7 @@ mod tests {
             model: "m".into(),
             stream: true,
             backend_header: "x".into(),
+            ..Default::default()
         };
         let m = [ChatMessage {
             role: "user".into(),
@@ -287,5 +322,22 @@ mod tests {
         assert_eq!(b["ignore_eos"], true);
         opts.stream = false;
         assert!(body(&opts, &m, 7).get("stream_options").is_none());
+        assert_eq!(body_for(&opts, 5, &m, 7)["model"], "m");
+    }
+
+    #[test]
+    fn mixed_adapters_pick_one_per_session_and_use_them_all() {
+        let opts = RequestOptions {
+            model: "base".into(),
+            adapters: vec!["a".into(), "b".into(), "c".into()],
+            ..Default::default()
+        };
+        let mut seen = std::collections::HashMap::new();
+        for s in 0..300 {
+            assert_eq!(opts.model_for(s), opts.model_for(s), "stable per session");
+            *seen.entry(opts.model_for(s).to_owned()).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(seen.values().all(|n| (60..140).contains(n)), "{seen:?}");
     }
 }

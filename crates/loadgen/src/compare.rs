@@ -52,6 +52,12 @@ pub struct CompareConfig {
     /// `--sim-kv-events`: every simulator publishes KV-cache events on a free port (see its
     /// `/kv_event_sources`).
     pub sim_kv_events: bool,
+    /// Sent as each request's session id header (session affinity).
+    pub session_header: Option<String>,
+    /// Mixed-adapter traffic: the simulators serve these LoRA adapters (`--lora-modules`) with
+    /// `max_loras` slots, and each session asks for one of them.
+    pub adapters: Vec<String>,
+    pub max_loras: usize,
 }
 
 /// KV blocks per backend so that `tokens` fill `fraction` of `backends` caches:
@@ -67,6 +73,9 @@ pub struct Row {
     pub policy: String,
     pub summary: Option<Summary>,
     pub failure: Option<String>,
+    /// Mixed-adapter runs: LoRA adapter loads over the fleet (`/sim/stats` `lora_loads`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_loads: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -110,6 +119,16 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
         time_scale: cfg.time_scale,
         tokenizer: cfg.sim_tokenizer.clone(),
         kv_events_config,
+        lora_modules: cfg
+            .adapters
+            .iter()
+            .map(|name| vllm_sim::LoraModule {
+                name: name.clone(),
+                path: format!("/adapters/{name}"),
+                base_model_name: None,
+            })
+            .collect(),
+        max_loras: cfg.max_loras.max(1),
         ..SimConfig::default()
     };
     let tokens = match &cfg.sim_tokenizer {
@@ -141,6 +160,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                 policy: policy.name().into(),
                 summary: None,
                 failure: Some(e.to_string()),
+                lora_loads: None,
             },
             Ok(r) => {
                 let run = RunConfig {
@@ -150,6 +170,8 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                         model: model.clone(),
                         stream: true,
                         backend_header: "x-inferlb-backend".into(),
+                        session_header: cfg.session_header.clone(),
+                        adapters: cfg.adapters.clone(),
                     },
                     arrival: cfg.arrival.scaled(ts),
                     max_requests: cfg.max_requests,
@@ -177,16 +199,22 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                             policy: policy.name().into(),
                             summary: Some(out.summary),
                             failure: None,
+                            lora_loads: None,
                         }
                     }
                     Err(e) => Row {
                         policy: policy.name().into(),
                         summary: None,
                         failure: Some(e.to_string()),
+                        lora_loads: None,
                     },
                 }
             }
         };
+        let mut row = row;
+        if !cfg.adapters.is_empty() {
+            row.lora_loads = Some(fleet.iter().map(|s| s.stats().lora_loads).sum());
+        }
         for s in fleet {
             s.shutdown().await;
         }
@@ -326,6 +354,19 @@ impl CompareOutput {
             if let Some(f) = &r.failure {
                 let _ = writeln!(s, "- {}: {f}", r.policy);
             }
+        }
+        let loads: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|r| r.lora_loads.map(|n| format!("{} {n}", r.policy)))
+            .collect();
+        if !loads.is_empty() {
+            let _ = writeln!(
+                s,
+                "LoRA adapter loads over the fleet (an adapter admitted while not in one of its \
+                 backend's slots): {}.",
+                loads.join(", ")
+            );
         }
         s
     }

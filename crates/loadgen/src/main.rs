@@ -193,6 +193,13 @@ struct RunArgs {
     /// model's tokenizer. Later turns carry the server's answers and are left out.
     #[arg(long, value_name = "PATH")]
     dump_requests: Option<PathBuf>,
+    /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
+    #[arg(long)]
+    session_header: Option<String>,
+    /// Mixed-adapter traffic: comma-separated LoRA adapter names; each session asks for one
+    /// (uniform, stable per session) instead of --model.
+    #[arg(long, value_delimiter = ',')]
+    adapters: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -253,6 +260,16 @@ struct CompareArgs {
     /// found through `/kv_event_sources`), for precise policies (`[kv_events] default = "auto"`).
     #[arg(long)]
     sim_kv_events: bool,
+    /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
+    #[arg(long)]
+    session_header: Option<String>,
+    /// Mixed-adapter traffic: the simulators serve these LoRA adapters (comma-separated) and
+    /// each session asks for one (uniform, stable per session); LoRA loads are reported.
+    #[arg(long, value_delimiter = ',')]
+    adapters: Vec<String>,
+    /// LoRA slots per simulator (`--max-loras`) for --adapters.
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
 }
 
 fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
@@ -362,6 +379,8 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
             model,
             stream: !a.no_stream,
             backend_header: a.backend_header.clone(),
+            session_header: a.session_header.clone(),
+            adapters: a.adapters.clone(),
         },
         duration: secs(a.arrival.duration),
         drain_timeout: secs(a.arrival.drain_secs),
@@ -499,6 +518,9 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         progress: true,
         sim_tokenizer: a.sim_tokenizer.clone(),
         sim_kv_events: a.sim_kv_events,
+        session_header: a.session_header.clone(),
+        adapters: a.adapters.clone(),
+        max_loras: a.max_loras,
     };
     if !a.inferlb_bin.exists()
         && cfg

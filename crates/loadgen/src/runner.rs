@@ -111,6 +111,7 @@ impl Ctx {
             &self.client,
             &self.cfg.target,
             &self.cfg.request,
+            t.session.id,
             &messages,
             t.session.output_tokens,
         )

@@ -40,6 +40,52 @@ fn in_process() -> InProcessStart {
     })
 }
 
+/// Mixed-adapter traffic: simulators serving adapters, every request for one of them, loads
+/// counted per policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_mixed_adapters_reports_lora_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = CompareConfig {
+        name: "adapters".into(),
+        workload: WorkloadSpec::Unique {
+            prompt_tokens: 32,
+            output_tokens: 8,
+        },
+        seed: 5,
+        backends: 2,
+        block_size: 16,
+        num_gpu_blocks: None,
+        sizing_tokens: 512,
+        max_num_seqs: 256,
+        time_scale: 20.0,
+        arrival: Arrival::Closed { concurrency: 4 },
+        max_requests: Some(24),
+        duration: Duration::from_secs(600),
+        think_time: Duration::ZERO,
+        policies: vec![builtin("random").unwrap()],
+        launcher: Launcher::InProcess(in_process()),
+        results_dir: dir.path().to_path_buf(),
+        ready_timeout: Duration::from_secs(10),
+        drain_timeout: Duration::from_secs(20),
+        progress: false,
+        session_header: Some("x-session-id".into()),
+        adapters: vec!["a0".into(), "a1".into(), "a2".into()],
+        max_loras: 1,
+        sim_tokenizer: None,
+        sim_kv_events: false,
+    };
+    let out = compare(cfg).await.unwrap();
+    let row = &out.rows[0];
+    let s = row.summary.as_ref().unwrap_or_else(|| panic!("{row:?}"));
+    assert_eq!(s.ok, 24, "{:?}", s.errors);
+    let loads = row.lora_loads.unwrap();
+    assert!(
+        (2..=24).contains(&loads),
+        "every request needs an adapter: {loads}"
+    );
+    assert!(out.markdown().contains("LoRA adapter loads"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_smoke_runs_two_policies_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -70,6 +116,11 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
         ready_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(20),
         progress: false,
+        session_header: None,
+        adapters: Vec::new(),
+        max_loras: 1,
+        sim_tokenizer: None,
+        sim_kv_events: false,
     };
     let out = compare(cfg).await.unwrap();
     assert_eq!(out.rows.len(), 2);
@@ -114,6 +165,7 @@ fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<Str
             model: vllm_sim::config::DEFAULT_MODEL.into(),
             stream: true,
             backend_header: "x-inferlb-backend".into(),
+            ..Default::default()
         },
         arrival,
         max_requests: workload.natural_requests(),
@@ -127,6 +179,7 @@ fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<Str
         seed: 3,
         time_scale: 1.0,
         block_size: 16,
+        tokens: Default::default(),
     }
 }
 

@@ -81,6 +81,9 @@ pub struct Stats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub steps: u64,
+    /// LoRA adapter loads into a slot (an adapter admitted while not resident); not a vLLM
+    /// series, only here and in `/sim/stats`.
+    pub lora_loads: u64,
 }
 
 /// Shared between the engine task and everything that reads its state.
@@ -270,6 +273,7 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         cfg,
         shared,
         steps: 0,
+        lora_loads: 0,
         stats: Stats::default(),
         kv_seq: 0,
         kv_batches: 0,
@@ -282,6 +286,7 @@ struct Engine {
     cfg: EngineConfig,
     shared: Arc<Shared>,
     steps: u64,
+    lora_loads: u64,
     stats: Stats,
     /// Seq of the next KV-event batch.
     kv_seq: u64,
@@ -346,6 +351,7 @@ impl Engine {
             let mut m = self.shared.metrics();
             m.iteration_tokens.observe(plan.tokens as f64);
             m.preemptions += u64::from(plan.preempted);
+            self.lora_loads += u64::from(plan.lora_loads);
             m.prefix_queries += plan.prefix_queries;
             m.prefix_hits += plan.prefix_hits;
             let mut first_tokens = Vec::new();
@@ -521,6 +527,7 @@ impl Engine {
             prompt_tokens: m.prompt_tokens_cached + m.prompt_tokens_computed,
             generation_tokens: m.generation_tokens,
             steps: self.steps,
+            lora_loads: self.lora_loads,
         };
         drop(m);
         *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;

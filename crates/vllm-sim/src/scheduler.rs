@@ -180,6 +180,8 @@ pub struct ScheduleOutcome {
     /// Re-admissions after preemption (vLLM's `preempted_*`, not exported).
     pub preempted_prefix_queries: u64,
     pub preempted_prefix_hits: u64,
+    /// LoRA adapters loaded into a slot this step (not resident before).
+    pub lora_loads: u32,
 }
 
 /// A sequence that left the engine at the end of a step.
@@ -197,6 +199,9 @@ pub struct Scheduler {
     pub pool: BlockPool,
     pub running: Vec<Seq>,
     pub waiting: VecDeque<Seq>,
+    /// Adapters holding a LoRA slot, least recently admitted first (at most `max_loras`): an
+    /// adapter admitted while not among them is a load, evicting the first when full.
+    pub resident_loras: Vec<u16>,
 }
 
 impl Scheduler {
@@ -206,7 +211,22 @@ impl Scheduler {
             pool: BlockPool::new(num_blocks),
             running: Vec::new(),
             waiting: VecDeque::new(),
+            resident_loras: Vec::new(),
         }
+    }
+
+    /// Adapter `l` is admitted: a load unless it holds a slot already (then it becomes the
+    /// most recently used).
+    fn touch_lora(&mut self, l: u16, out: &mut ScheduleOutcome) {
+        if let Some(pos) = self.resident_loras.iter().position(|r| *r == l) {
+            self.resident_loras.remove(pos);
+        } else {
+            out.lora_loads += 1;
+            if self.resident_loras.len() >= self.limits.max_loras.max(1) {
+                self.resident_loras.remove(0);
+            }
+        }
+        self.resident_loras.push(l);
     }
 
     pub fn is_idle(&self) -> bool {
@@ -337,6 +357,7 @@ impl Scheduler {
                 if !loras.contains(&l) {
                     loras.push(l);
                 }
+                self.touch_lora(l, out);
             }
             self.running.push(seq);
         }

@@ -233,6 +233,7 @@ fn max_loras_skips_other_adapters_without_blocking_the_queue() {
     let d = r.add(prompt(10, 3), 3);
     let (out, _) = r.step();
     assert_eq!(out.admitted, 3);
+    assert_eq!(out.lora_loads, 1, "a and c share adapter 0: one load");
     let running: Vec<u64> = r.s.running.iter().map(|s| s.id).collect();
     assert_eq!(
         running,
@@ -246,6 +247,11 @@ fn max_loras_skips_other_adapters_without_blocking_the_queue() {
     );
     r.drain();
     assert_eq!(r.s.pool.num_used(), 0);
+    assert_eq!(
+        r.s.resident_loras,
+        [1],
+        "b's adapter evicted a's from the one slot"
+    );
 }
 
 #[test]
