@@ -98,7 +98,8 @@ impl Tokenizers {
         self.default.is_none() && self.by_model.is_empty()
     }
 
-    fn for_model(&self, model: Option<&str>) -> Option<&Arc<ModelTokenizer>> {
+    /// The tokenizer for `model` (its own, else the default).
+    pub fn for_model(&self, model: Option<&str>) -> Option<&Arc<ModelTokenizer>> {
         model
             .and_then(|m| self.by_model.get(m))
             .or(self.default.as_ref())
@@ -179,4 +180,62 @@ fn cache_salt(body: &[u8]) -> Option<String> {
         .ok()?
         .cache_salt
         .map(|s| s.into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama");
+
+    #[test]
+    fn unknown_fields_are_rejected_by_name() {
+        let err = toml::from_str::<crate::config::Config>("[tokenization]\ndirr = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dirr"), "{err}");
+    }
+
+    #[test]
+    fn only_models_with_a_tokenizer_get_tokens() {
+        let cfg = TokenizationConfig {
+            models: [("tiny".to_owned(), PathBuf::from(FIXTURE))].into(),
+            ..TokenizationConfig::default()
+        };
+        let toks = Tokenizers::load(&cfg).unwrap();
+        let chat = |model: &str| {
+            format!(
+                r#"{{"model":"{model}","cache_salt":"s1","messages":[{{"role":"user","content":"hello world"}}]}}"#
+            )
+        };
+        let mut view =
+            RequestView::parse(Operation::ChatCompletions, chat("tiny").as_bytes()).unwrap();
+        toks.fill(&mut view, chat("tiny").as_bytes());
+        let t = view.tokens.unwrap();
+        assert_eq!(t.ids, [4, 589, 478, 6, 5]);
+        assert_eq!(t.cache_salt.as_deref(), Some("s1"));
+        let mut other =
+            RequestView::parse(Operation::ChatCompletions, chat("other").as_bytes()).unwrap();
+        toks.fill(&mut other, chat("other").as_bytes());
+        assert!(other.tokens.is_none());
+        // Token-id prompts keep their ids and gain the salt.
+        let body = br#"{"model":"tiny","prompt":[7,8,9],"cache_salt":"s2"}"#;
+        let mut ids = RequestView::parse(Operation::Completions, body).unwrap();
+        toks.fill(&mut ids, body);
+        let t = ids.tokens.unwrap();
+        assert_eq!(
+            (t.ids.as_slice(), t.cache_salt.as_deref()),
+            (&[7, 8, 9][..], Some("s2"))
+        );
+    }
+
+    #[test]
+    fn a_missing_directory_fails_the_start() {
+        let cfg = TokenizationConfig {
+            dir: Some("/nonexistent/model".into()),
+            ..TokenizationConfig::default()
+        };
+        assert!(Tokenizers::load(&cfg).is_err());
+    }
 }
