@@ -5,11 +5,15 @@
 use std::io::BufRead;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = std::env::args().nth(1).ok_or("usage: ids MODEL_DIR < requests")?;
+    let dir = std::env::args()
+        .nth(1)
+        .ok_or("usage: ids MODEL_DIR < requests")?;
     let tok = hf_tokenize::HfTokenizer::from_dir(std::path::Path::new(&dir))?;
     for line in std::io::stdin().lock().lines() {
         let line = line?;
-        let (kind, body) = line.split_once(' ').ok_or("a line is `chat|completion BODY`")?;
+        let (kind, body) = line
+            .split_once(' ')
+            .ok_or("a line is `chat|completion BODY`")?;
         let ids = match kind {
             "chat" => tok.chat_ids(body.as_bytes()),
             _ => tok.completion_ids(body.as_bytes()),
