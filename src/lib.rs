@@ -33,6 +33,7 @@
 //! * [`config`] — the TOML configuration, its defaults and validation.
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
+pub mod background;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;

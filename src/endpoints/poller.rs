@@ -198,19 +198,7 @@ impl Poller {
     pub fn spawn(&self, shutdown: watch::Receiver<bool>) {
         let this = self.clone();
         let loops = move || this.supervise(shutdown);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build();
-        let started = runtime.and_then(|rt| {
-            let loops = loops.clone();
-            std::thread::Builder::new()
-                .name("inferlb-poller".into())
-                .spawn(move || rt.block_on(async move { loops().await }))
-        });
-        if let Err(e) = started {
-            tracing::warn!(error = %e, "no poller thread; polling on the main runtime");
-            tokio::spawn(async move { loops().await });
-        }
+        crate::background::spawn_on_own_thread("inferlb-poller", "poller", loops);
     }
 
     /// Follow membership: start a loop for each backend that joins, stop the loop of each that

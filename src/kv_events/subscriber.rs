@@ -52,19 +52,7 @@ impl Subscribers {
     pub fn spawn(&self, shutdown: watch::Receiver<bool>) {
         let this = self.clone();
         let loops = move || this.supervise(shutdown);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build();
-        let started = runtime.and_then(|rt| {
-            let loops = loops.clone();
-            std::thread::Builder::new()
-                .name("inferlb-kv-events".into())
-                .spawn(move || rt.block_on(async move { loops().await }))
-        });
-        if let Err(e) = started {
-            tracing::warn!(error = %e, "no KV-event thread; subscribing on the main runtime");
-            tokio::spawn(async move { loops().await });
-        }
+        crate::background::spawn_on_own_thread("inferlb-kv-events", "KV-event", loops);
     }
 
     async fn supervise(self, mut shutdown: watch::Receiver<bool>) {
