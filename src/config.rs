@@ -188,6 +188,9 @@ pub struct ServerConfig {
     pub max_json_depth: usize,
     /// Largest request line plus headers, in bytes (431 above it); at least 8192.
     pub max_header_bytes: usize,
+    /// Request worker threads: `"auto"` (one per core), a number, or `"shared"` (one
+    /// work-stealing runtime); see [`crate::workers`]. Read at start-up only.
+    pub workers: crate::workers::Workers,
 }
 
 impl Default for ServerConfig {
@@ -198,6 +201,7 @@ impl Default for ServerConfig {
             shutdown_timeout_ms: 30_000,
             max_json_depth: 64,
             max_header_bytes: 65_536,
+            workers: crate::workers::Workers::Auto,
         }
     }
 }

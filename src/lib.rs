@@ -46,6 +46,7 @@ pub mod reload;
 pub mod scheduling;
 pub mod telemetry;
 pub mod tokenization;
+pub mod workers;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -73,7 +74,9 @@ pub enum RunError {
 }
 
 /// The sockets the router serves on. `admin` carries `/metrics` and `/admin/*` when set;
-/// otherwise they are served on `main`.
+/// otherwise they are served on `main`. With per-core workers (`[server] workers`), each
+/// worker serves `main` from a socket of its own when `main` was bound with `SO_REUSEPORT`
+/// ([`workers::bind`] does so), or else from a duplicate of it.
 pub struct Listeners {
     pub main: TcpListener,
     pub admin: Option<TcpListener>,
@@ -141,6 +144,7 @@ pub async fn run_reloadable(
         &config.outlier_detection,
         backend_header.clone(),
         Arc::clone(&pool),
+        config.server.workers.threads().unwrap_or(0),
     );
     {
         let (scheduler, forwarder) = (Arc::clone(&scheduler), forwarder.clone());
@@ -217,13 +221,16 @@ pub async fn run_reloadable(
         ))
     });
     let mut stop = stop_rx;
-    let drained = front_door::serve::serve(listeners.main, main_router, options, async move {
+    let shutdown = async move {
         tokio::select! {
             _ = shutdown => {}
             _ = stop.changed() => {}
         }
-    })
-    .await;
+    };
+    let drained = match config.server.workers.threads() {
+        Some(n) => workers::serve(listeners.main, n, main_router, options, shutdown).await?,
+        None => front_door::serve::serve(listeners.main, main_router, options, shutdown).await,
+    };
     let _ = stop_tx.send(true);
     if let Some(admin) = admin {
         let _ = admin.await;

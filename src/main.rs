@@ -57,6 +57,11 @@ struct Cli {
     /// (overrides `kv_events.default`).
     #[arg(long, value_name = "MODE")]
     kv_events: Option<String>,
+    /// Request worker threads: `auto` (one per core, each with its own runtime, listening
+    /// socket and backend connections), a number, or `shared` (one work-stealing runtime)
+    /// (overrides `server.workers`).
+    #[arg(long, value_name = "auto|N|shared")]
+    workers: Option<inferlb::workers::Workers>,
     /// Validate the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -105,6 +110,9 @@ impl Cli {
         if let Some(v) = self.kv_events {
             config.kv_events.default = v;
         }
+        if let Some(v) = self.workers {
+            config.server.workers = v;
+        }
         Ok(config)
     }
 }
@@ -118,6 +126,10 @@ fn watch_for_reloads(cli: Cli, demo: bool) -> tokio::sync::mpsc::Receiver<Config
     if demo {
         return rx;
     }
+    // Installed now, not when the task first runs: a SIGHUP right after start-up must reload,
+    // not kill the process (SIGHUP's default action).
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     tokio::spawn(async move {
         let stamp = |path: &std::path::Path| {
             std::fs::metadata(path)
@@ -125,8 +137,6 @@ fn watch_for_reloads(cli: Cli, demo: bool) -> tokio::sync::mpsc::Receiver<Config
                 .map(|m| (m.modified().ok(), m.len()))
         };
         let mut seen = cli.config.as_deref().and_then(stamp);
-        #[cfg(unix)]
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         loop {
             #[cfg(unix)]
@@ -170,37 +180,45 @@ fn watch_for_reloads(cli: Cli, demo: bool) -> tokio::sync::mpsc::Receiver<Config
     rx
 }
 
-/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once. The
-/// signal streams are created up front and kept, so a quick second signal is not lost.
-async fn shutdown_signal() {
+/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once.
+///
+/// The handlers are installed when this is called, not when the future is first polled (the
+/// accept loop polls it only once start-up is done: the first scrape of every backend, the
+/// listener's announcement). Installed lazily, a SIGTERM that came in between met the default
+/// action and killed the process — an exit by signal instead of a drain and exit 0. Must be
+/// called within the runtime.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::warn!("cannot listen for signals; stop the process with SIGKILL");
-            return std::future::pending().await;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        tracing::info!("shutdown signal received; draining (send it again to exit at once)");
-        tokio::spawn(async move {
+        let streams = signal(SignalKind::terminate())
+            .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)));
+        async move {
+            let Ok((mut term, mut int)) = streams else {
+                tracing::warn!("cannot listen for signals; stop the process with SIGKILL");
+                return std::future::pending().await;
+            };
             tokio::select! {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-            tracing::warn!("second signal: exiting without waiting for in-flight requests");
-            telemetry::log_writer::flush(LOG_FLUSH_LIMIT);
-            std::process::exit(130);
-        });
+            tracing::info!("shutdown signal received; draining (send it again to exit at once)");
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                tracing::warn!("second signal: exiting without waiting for in-flight requests");
+                telemetry::log_writer::flush(LOG_FLUSH_LIMIT);
+                std::process::exit(130);
+            });
+        }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -243,9 +261,47 @@ async fn start_demo_fleet(_n: usize, _config: &mut Config) -> Result<DemoFleet, 
     Err("this binary was built without the demo; run `cargo run --release --features demo -- --demo 4`".into())
 }
 
+/// The configuration from the file and the flags, or the exit code of a refusal.
+fn load(cli: &Cli) -> Result<Config, ExitCode> {
+    let config = match &cli.config {
+        Some(path) => match Config::from_file(path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("inferlb: {e}");
+                return Err(ExitCode::from(2));
+            }
+        },
+        None => Config::default(),
+    };
+    cli.clone().apply(config).map_err(|e| {
+        eprintln!("inferlb: {e}");
+        ExitCode::from(2)
+    })
+}
+
 fn main() -> ExitCode {
-    let code = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => runtime.block_on(run()),
+    let cli = Cli::parse();
+    let config = match load(&cli) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    // With per-core request workers (crate `workers`) the requests run on threads of their
+    // own; what is left here (admin listener, reloads, discovery, metrics upkeep) needs no
+    // more than one thread. The shared model runs everything on one work-stealing runtime.
+    let runtime = match config.server.workers {
+        inferlb::workers::Workers::Shared => tokio::runtime::Runtime::new(),
+        _ => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+    };
+    let code = match runtime {
+        Ok(runtime) => {
+            let code = runtime.block_on(run(cli, config));
+            // Tasks still running (a stream cut at the drain deadline) end here, before the
+            // log is flushed, so their last lines are written too.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            code
+        }
         Err(e) => {
             eprintln!("inferlb: cannot start the async runtime: {e}");
             ExitCode::from(1)
@@ -256,28 +312,12 @@ fn main() -> ExitCode {
     code
 }
 
-async fn run() -> ExitCode {
-    let cli = Cli::parse();
-    let config = match &cli.config {
-        Some(path) => match Config::from_file(path) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("inferlb: {e}");
-                return ExitCode::from(2);
-            }
-        },
-        None => Config::default(),
-    };
+async fn run(cli: Cli, mut config: Config) -> ExitCode {
+    // First of all, so no signal meets its default action from here on.
+    let shutdown = shutdown_signal();
     let check = cli.check;
     let demo = cli.demo;
-    let overrides = cli.clone();
-    let mut config = match cli.apply(config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("inferlb: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let overrides = cli;
     // Keep the simulators alive for as long as the router runs.
     let _fleet = match demo {
         None => None,
@@ -301,7 +341,7 @@ async fn run() -> ExitCode {
         println!("configuration is valid");
         return ExitCode::SUCCESS;
     }
-    let main = match tokio::net::TcpListener::bind(config.listen).await {
+    let main = match inferlb::workers::bind(config.listen, config.server.workers) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("inferlb: cannot listen on {}: {e}", config.listen);
@@ -328,12 +368,7 @@ async fn run() -> ExitCode {
         println!("  curl -s http://{addr}/metrics            # inferlb's own metrics\n");
     }
     let reloads = watch_for_reloads(overrides, demo.is_some());
-    match run_reloadable(
-        config,
-        Listeners { main, admin },
-        shutdown_signal(),
-        reloads,
-    )
+    match run_reloadable(config, Listeners { main, admin }, shutdown, reloads)
     .await
     {
         Ok(()) => ExitCode::SUCCESS,

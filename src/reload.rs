@@ -113,5 +113,6 @@ fn restart_only(old: &Config, next: &Config) -> Vec<String> {
         old.forward.response_timeout_ms == next.forward.response_timeout_ms,
     );
     differs("kv_events", old.kv_events == next.kv_events);
+    differs("server.workers", old.server.workers == next.server.workers);
     notes
 }

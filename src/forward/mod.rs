@@ -77,16 +77,20 @@ impl Forwarder {
         self.outlier.store(Arc::new(outlier.clone()));
     }
 
+    /// `workers`: the per-core request workers that will use it (`crate::workers`; 0 for
+    /// the shared runtime), each of which gets idle connections of its own.
     pub fn new(
         cfg: &ForwardConfig,
         outlier: &OutlierConfig,
         backend_header: HeaderName,
         backends: Arc<Pool>,
+        workers: usize,
     ) -> Self {
         let pool = Arc::new(ConnPool::new(
             cfg.pool_max_idle_per_backend,
             Duration::from_millis(cfg.pool_idle_timeout_ms),
             Duration::from_millis(cfg.connect_timeout_ms),
+            workers,
         ));
         Forwarder {
             pool,

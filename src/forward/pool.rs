@@ -8,7 +8,11 @@
 //! handing it on happen in one poll of one task, and every chunk already in the socket buffer
 //! can be taken in the same poll.
 //!
-//! Idle connections wait in a per-backend LIFO stack, unpolled. A connection the backend
+//! Idle connections wait in a per-backend LIFO stack, unpolled. With per-core request workers
+//! (`crate::workers`) every worker has stacks of its own: a connection's socket is registered
+//! with the runtime of the worker that opened it, so only that worker reuses it (another one
+//! would be woken through the first one's I/O driver, a cross-thread hop on every read), and
+//! the stacks' locks are never contended. A connection the backend
 //! closed meanwhile is usually noticed at checkout (polling its driver once sees the end of
 //! the stream) and dropped; when the close is only seen while sending, hyper hands the
 //! unsent request back and it goes out on a fresh connection ([`send_with_reconnect`]) — a
@@ -375,22 +379,41 @@ struct Idle {
     since: Instant,
 }
 
-/// Per-backend stacks of idle connections.
+type Stacks = Mutex<HashMap<usize, VecDeque<Idle>>>;
+
+/// Per-backend stacks of idle connections, one set per request worker.
 pub struct ConnPool {
-    idle: Mutex<HashMap<usize, VecDeque<Idle>>>,
+    /// Index 0: threads that are no per-core worker (the shared runtime); `1 + i`: worker `i`.
+    shards: Box<[Stacks]>,
     max_idle: usize,
     idle_timeout: Duration,
     pub connect_timeout: Duration,
 }
 
 impl ConnPool {
-    pub fn new(max_idle: usize, idle_timeout: Duration, connect_timeout: Duration) -> Self {
+    /// `workers`: how many per-core request workers will use the pool (0: none).
+    pub fn new(
+        max_idle: usize,
+        idle_timeout: Duration,
+        connect_timeout: Duration,
+        workers: usize,
+    ) -> Self {
         ConnPool {
-            idle: Mutex::new(HashMap::new()),
+            shards: (0..=workers.min(crate::workers::MAX_WORKERS))
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
             max_idle,
             idle_timeout,
             connect_timeout,
         }
+    }
+
+    /// The calling thread's stacks.
+    fn stacks(&self) -> &Stacks {
+        let i = crate::workers::current().map_or(0, |w| w.saturating_add(1));
+        // A worker beyond the pool's count (never, when sized from the same config) shares.
+        let i = if i < self.shards.len() { i } else { 0 };
+        &self.shards[i]
     }
 
     /// A connection to `backend`: the most recently idle one that still looks open (`true`:
@@ -402,7 +425,7 @@ impl ConnPool {
     ) -> Result<(Conn, bool), ConnError> {
         loop {
             let idle = {
-                let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut map = self.stacks().lock().unwrap_or_else(PoisonError::into_inner);
                 map.get_mut(&backend).and_then(VecDeque::pop_back)
             };
             let Some(mut idle) = idle else { break };
@@ -417,15 +440,17 @@ impl ConnPool {
     /// timeout are closed here too, so sockets the backend gave up on do not linger.
     /// Close every idle connection of `backend` (it left the pool).
     pub fn purge(&self, backend: usize) {
-        let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        map.remove(&backend);
+        for stacks in &self.shards {
+            let mut map = stacks.lock().unwrap_or_else(PoisonError::into_inner);
+            map.remove(&backend);
+        }
     }
 
     pub fn checkin(&self, backend: usize, mut conn: Conn) {
         if !conn.reusable() {
             return;
         }
-        let mut map = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.stacks().lock().unwrap_or_else(PoisonError::into_inner);
         let stack = map.entry(backend).or_default();
         while stack
             .front()

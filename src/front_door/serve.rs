@@ -52,6 +52,24 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> bool {
+    let slots = connection_slots(options.max_connections);
+    serve_with(listener, router, options, slots, shutdown).await
+}
+
+/// The cap on open connections, `max_connections` slots (0 = none). The per-core workers
+/// (`crate::workers`) share one, so the cap holds for the listener as a whole.
+pub fn connection_slots(max_connections: usize) -> Option<Arc<Semaphore>> {
+    (max_connections > 0).then(|| Arc::new(Semaphore::new(max_connections)))
+}
+
+/// [`serve`], taking connection slots from `slots`.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    options: ServeOptions,
+    slots: Option<Arc<Semaphore>>,
+    shutdown: impl Future<Output = ()>,
+) -> bool {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -66,8 +84,6 @@ pub async fn serve(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(options.max_header_bytes).unwrap_or(u32::MAX));
-    let slots =
-        (options.max_connections > 0).then(|| Arc::new(Semaphore::new(options.max_connections)));
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
