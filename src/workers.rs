@@ -189,6 +189,9 @@ pub async fn serve(
     let slots = serve::connection_slots(options.max_connections);
     // Dropped with this future: the workers see the sender gone and drain.
     let (stop_tx, stop_rx) = watch::channel(false);
+    // Each worker's open connections once its socket is closed: `draining` is logged when
+    // every socket is, so from then on new connections are refused.
+    let (closed_tx, mut closed_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
     let mut done = Vec::with_capacity(sockets.len());
     for (i, socket) in sockets.into_iter().enumerate() {
         let (tx, rx) = oneshot::channel();
@@ -197,6 +200,7 @@ pub async fn serve(
             .enable_all()
             .build()?;
         let (router, slots, mut stop) = (router.clone(), slots.clone(), stop_rx.clone());
+        let closed_tx = closed_tx.clone();
         std::thread::Builder::new()
             .name(format!("inferlb-worker-{i}"))
             .spawn(move || {
@@ -213,7 +217,10 @@ pub async fn serve(
                         // A change or the sender gone: either way, stop.
                         let _ = stop.changed().await;
                     };
-                    serve::serve_with(listener, router, options, slots, stop).await
+                    let closed = move |open| {
+                        let _ = closed_tx.send(open);
+                    };
+                    serve::serve_with(listener, router, options, slots, stop, closed).await
                 });
                 // Connections still open past the drain deadline are closed here, with the
                 // runtime.
@@ -222,8 +229,15 @@ pub async fn serve(
             })?;
     }
     tracing::info!(workers = done.len(), "request workers started");
+    drop(closed_tx);
     shutdown.await;
     let _ = stop_tx.send(true);
+    let mut open = 0usize;
+    // Ends when every worker has reported (or ended without: a worker that failed).
+    while let Some(n) = closed_rx.recv().await {
+        open = open.saturating_add(n);
+    }
+    serve::log_draining(open);
     let mut all = true;
     for (i, rx) in done.into_iter().enumerate() {
         match rx.await {

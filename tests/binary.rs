@@ -282,3 +282,63 @@ async fn demo_serves_a_streaming_chat_in_front_of_simulators() {
     bin.signal("-TERM");
     assert!(bin.exit().await.success());
 }
+
+/// A SIGTERM that arrives during start-up (here: while the first scrape of a backend that
+/// never answers is still waiting) is a drain and exit 0, not death by the signal's default
+/// action. The handlers used to be installed only when the accept loop first polled for the
+/// signal, after the first scrape; this test then saw the process killed by SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_during_start_up_is_a_clean_exit() {
+    // Accepts connections (the kernel does) and never answers them.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let config =
+        std::env::temp_dir().join(format!("inferlb-slow-start-{}.toml", std::process::id()));
+    std::fs::write(&config, "[poller]\ntimeout_ms = 4000\n").unwrap();
+    let mut child = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(["--config", config.to_str().unwrap()])
+        .args(["--backend", &format!("http://{}", silent.local_addr().unwrap())])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<serde_json::Value>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Ok(v) = serde_json::from_str(&line) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    // Logged just before the first scrape, which waits up to 4 s on the silent backend.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(v) = lines.recv().await {
+            assert!(
+                v["fields"]["main_addr"].is_null(),
+                "start-up finished before the signal could be sent: {v}"
+            );
+            if v["fields"]["message"] == "scheduling profile" {
+                return;
+            }
+        }
+        panic!("the binary ended its log before the scheduling profile line");
+    })
+    .await
+    .expect("no scheduling profile line within 30 s");
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::task::spawn_blocking(move || child.wait().unwrap()),
+    )
+    .await
+    .expect("the process did not exit within 20 s")
+    .unwrap();
+    let _ = std::fs::remove_file(&config);
+    assert!(status.success(), "{status:?}");
+    drop(silent);
+}

@@ -53,7 +53,14 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> bool {
     let slots = connection_slots(options.max_connections);
-    serve_with(listener, router, options, slots, shutdown).await
+    serve_with(listener, router, options, slots, shutdown, log_draining).await
+}
+
+/// Announce a drain of `open` connections (the listener is closed by then).
+pub fn log_draining(open: usize) {
+    if open > 0 {
+        tracing::info!(connections = open, "draining");
+    }
 }
 
 /// The cap on open connections, `max_connections` slots (0 = none). The per-core workers
@@ -62,13 +69,15 @@ pub fn connection_slots(max_connections: usize) -> Option<Arc<Semaphore>> {
     (max_connections > 0).then(|| Arc::new(Semaphore::new(max_connections)))
 }
 
-/// [`serve`], taking connection slots from `slots`.
+/// [`serve`], taking connection slots from `slots`; `closed` is told how many connections
+/// are open when the listener has been closed on shutdown (before the drain).
 pub async fn serve_with(
     listener: TcpListener,
     router: Router,
     options: ServeOptions,
     slots: Option<Arc<Semaphore>>,
     shutdown: impl Future<Output = ()>,
+    closed: impl FnOnce(usize),
 ) -> bool {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -131,10 +140,7 @@ pub async fn serve_with(
     }
     // Closing the listener makes new connections fail at once.
     drop(listener);
-    let open = graceful.count();
-    if open > 0 {
-        tracing::info!(connections = open, "draining");
-    }
+    closed(graceful.count());
     tokio::select! {
         _ = graceful.shutdown() => true,
         _ = tokio::time::sleep(options.shutdown_timeout) => {
