@@ -368,9 +368,7 @@ async fn run(cli: Cli, mut config: Config) -> ExitCode {
         println!("  curl -s http://{addr}/metrics            # inferlb's own metrics\n");
     }
     let reloads = watch_for_reloads(overrides, demo.is_some());
-    match run_reloadable(config, Listeners { main, admin }, shutdown, reloads)
-    .await
-    {
+    match run_reloadable(config, Listeners { main, admin }, shutdown, reloads).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("inferlb: {e}");

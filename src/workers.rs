@@ -243,7 +243,10 @@ pub async fn serve(
         match rx.await {
             Ok(drained) => all &= drained,
             Err(_) => {
-                tracing::error!(worker = i, "request worker ended without reporting (panicked)");
+                tracing::error!(
+                    worker = i,
+                    "request worker ended without reporting (panicked)"
+                );
                 all = false;
             }
         }

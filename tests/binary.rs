@@ -297,7 +297,10 @@ async fn a_sigterm_during_start_up_is_a_clean_exit() {
     let mut child = Command::new(BIN)
         .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
         .args(["--config", config.to_str().unwrap()])
-        .args(["--backend", &format!("http://{}", silent.local_addr().unwrap())])
+        .args([
+            "--backend",
+            &format!("http://{}", silent.local_addr().unwrap()),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
