@@ -149,6 +149,9 @@ async fn a_retried_5xx_keeps_its_connection_and_is_no_client_disconnect() {
         .collect();
     cfg.outlier_detection.consecutive_failures = 0;
     cfg.forward.retry_budget_min_per_sec = 1000;
+    // One request worker: every worker keeps backend connections of its own, and each request
+    // here comes on a new client connection, which any worker may accept.
+    cfg.server.workers = inferlb::workers::Workers::Count(1);
     let router = start_router(cfg).await;
     until_backends_json(&router, |v| healthy(v, &bad.url) && healthy(v, &good.url)).await;
     let before = bad.connections.load(Ordering::Relaxed);
