@@ -30,6 +30,8 @@
 //!   the Prometheus text parser, and the immutable per-backend snapshots scorers read.
 //! * [`kv_events`] — per backend, a ZeroMQ subscriber to its KV-cache events and the store of
 //!   the token blocks it truly holds, read by the prefix scorer (precise prefix routing).
+//! * [`workers`] — the request threads: one single-threaded runtime per core, each accepting
+//!   on a `SO_REUSEPORT` socket of its own and keeping its own backend connections.
 //! * [`config`] — the TOML configuration, its defaults and validation.
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
