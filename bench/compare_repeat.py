@@ -29,6 +29,12 @@ LOADGEN = os.environ.get("LOADGEN", "target/release/loadgen")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402  (bench/provenance.py)
 
+def busiest(summary):
+    """The busiest backend's share of requests, as the simulators counted them."""
+    shares = ((summary.get("fleet") or {}).get("request_share") or {}).values()
+    return max(shares, default=None)
+
+
 # (column, getter, format): getters take one policy's summary dict and its compare output.
 COLUMNS = [
     ("out tok/s", lambda s: s["output_tokens_per_s"], "{:.0f}"),
@@ -39,6 +45,8 @@ COLUMNS = [
     ("hit rate", lambda s: (s.get("fleet") or {}).get("hit_rate"), "{:.3f}"),
     ("hit/req", lambda s: (s.get("fleet") or {}).get("hit_rate_per_request"), "{:.3f}"),
     ("hit/max", lambda s: s.get("hit_rate_vs_max"), "{:.2f}"),
+    # The busiest backend's share of requests (from the simulators' own counts).
+    ("busiest", lambda s: busiest(s), "{:.0%}"),
     ("preempt", lambda s: (s.get("fleet") or {}).get("preemptions"), "{:.0f}"),
     ("errors", lambda s: sum(s.get("errors", {}).values()), "{:.0f}"),
     # Mixed-adapter runs only (`--adapters`): the row's fleet-wide LoRA adapter loads.

@@ -115,10 +115,10 @@ fn fleet(n: usize, groups: usize, prompt_len: usize) -> (Arc<Scheduler>, Vec<Req
 /// was sent, free the slot.
 fn decide(scheduler: &Scheduler, view: &RequestView) -> usize {
     let mut state = CycleState::default();
-    let Ok(guard) = scheduler.schedule(view, &mut state, &[]) else {
+    let Ok(mut guard) = scheduler.schedule(view, &mut state, &[]) else {
         panic!("no backend")
     };
-    scheduler.sent(view, &state, guard.backend());
+    scheduler.sent(view, &state, &mut guard);
     guard.backend().id
 }
 

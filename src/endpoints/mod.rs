@@ -12,6 +12,7 @@ pub mod membership;
 pub mod passive;
 pub mod poller;
 pub mod prometheus;
+pub mod sent_work;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -174,6 +175,8 @@ pub struct Backend {
     release: Option<Arc<membership::SlotIds>>,
     /// The blocks its KV-event stream reports (empty and `off` without a stream).
     kv: crate::kv_events::store::BlockStore,
+    /// Prompt tokens sent to it and not finished (see [`sent_work`]).
+    work: sent_work::SentWork,
 }
 
 fn next_uid() -> usize {
@@ -256,6 +259,7 @@ impl Backend {
             passive: passive::PassiveHealth::default(),
             waiters,
             kv: Default::default(),
+            work: Default::default(),
         })
     }
 
@@ -277,6 +281,11 @@ impl Backend {
     /// What its KV-event stream says its cache holds (see [`crate::kv_events`]).
     pub fn kv(&self) -> &crate::kv_events::store::BlockStore {
         &self.kv
+    }
+
+    /// The prompt tokens this router has sent to it that are not finished.
+    pub fn work(&self) -> &sent_work::SentWork {
+        &self.work
     }
 
     /// Outlier detection from forwarding results.

@@ -263,7 +263,8 @@ impl Body for GuardedBody {
                     if !data.is_empty() {
                         if !this.first_byte_seen {
                             this.first_byte_seen = true;
-                            if let Some(guard) = &this.guard {
+                            if let Some(guard) = &mut this.guard {
+                                guard.first_token();
                                 t::handles::latency(&guard.backend().name, guard.model())
                                     .first_byte
                                     .record(this.received_at.elapsed().as_secs_f64());

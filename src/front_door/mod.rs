@@ -447,6 +447,10 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "outlier": passive,
                 "ejections": b.passive().total_ejections(),
                 "inflight": b.inflight(),
+                "sent_tokens": {
+                    "prefill": b.work().prefill_tokens(),
+                    "decode": b.work().decode_tokens(),
+                },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,
                 "last_error": s.last_error,

@@ -111,6 +111,15 @@ impl std::fmt::Debug for CycleState {
     }
 }
 
+/// A request's prompt as work for one backend, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptWork {
+    /// Tokens that backend must prefill (the prompt less what it already caches).
+    pub uncached: u64,
+    /// The whole prompt.
+    pub prompt: u64,
+}
+
 /// Identity and lifecycle hooks shared by every plugin.
 pub trait Plugin: Send + Sync {
     /// The factory name, e.g. `"queue-scorer"`.
@@ -120,6 +129,18 @@ pub trait Plugin: Send + Sync {
     /// Called when `request` is sent to `backend` (once per attempt actually made; a pick
     /// that is not sent, e.g. because the retry budget is spent, is not reported).
     fn after_pick(&self, _request: &RequestView, _state: &CycleState, _backend: &Backend) {}
+    /// The prompt work `request` brings to `backend`, if this plugin estimates it (the
+    /// `prefill-cost-scorer` does). Asked once per attempt sent, after `after_pick`; the first
+    /// plugin of the profile that answers charges the backend's
+    /// [`SentWork`](crate::endpoints::sent_work::SentWork) until the response ends.
+    fn prompt_work(
+        &self,
+        _request: &RequestView,
+        _state: &CycleState,
+        _backend: &Backend,
+    ) -> Option<PromptWork> {
+        None
+    }
     /// `backend` left the pool: drop whatever the plugin keeps about it.
     fn backend_removed(&self, _backend: &Backend) {}
     /// `/metrics` is being rendered: set the plugin's own gauges (they would otherwise idle

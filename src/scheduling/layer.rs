@@ -395,7 +395,7 @@ where
             loop {
                 let backend = Arc::clone(guard.backend());
                 // Recorded only now that it is sent: a pick given up is never recorded.
-                s.scheduler.sent(&request.view, &state, &backend);
+                s.scheduler.sent(&request.view, &state, &mut guard);
                 let dispatch = Dispatch {
                     request: Arc::clone(&request),
                     backend: Arc::clone(&backend),

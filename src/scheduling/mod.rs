@@ -26,6 +26,7 @@ use arc_swap::ArcSwap;
 
 use crate::endpoints::capacity::Slot;
 use crate::endpoints::passive::Admission;
+use crate::endpoints::sent_work::Charge;
 use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
 use crate::prompt::RequestView;
@@ -140,11 +141,22 @@ impl Scheduler {
         InflightGuard::new(slot, request)
     }
 
-    /// `request` is being sent to `backend`: run the plugins' `after_pick` hooks (the prefix
-    /// index records it). Called once per attempt actually sent, never for a pick given up.
-    pub fn sent(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
-        for plugin in self.profile.load().plugins() {
-            plugin.after_pick(request, state, backend);
+    /// `request` is being sent to the backend of `guard`: run the plugins' `after_pick` hooks
+    /// (the prefix index records it) and charge the backend with the prompt work the first
+    /// plugin that estimates it names. Called once per attempt actually sent, never for a pick
+    /// given up.
+    pub fn sent(&self, request: &RequestView, state: &CycleState, guard: &mut InflightGuard) {
+        let profile = self.profile.load();
+        let backend = Arc::clone(guard.backend());
+        for plugin in profile.plugins() {
+            plugin.after_pick(request, state, &backend);
+        }
+        if let Some(work) = profile
+            .plugins()
+            .iter()
+            .find_map(|p| p.prompt_work(request, state, &backend))
+        {
+            guard.charge = Some(Charge::new(&backend, work.uncached, work.prompt));
         }
     }
 
@@ -176,6 +188,8 @@ impl Scheduler {
 /// slot is freed (or handed to a waiting request).
 pub struct InflightGuard {
     slot: Slot,
+    /// The prompt work charged to the backend, when the profile estimates it.
+    charge: Option<Charge>,
     /// The metric label for the request's model: a name the chosen backend serves.
     model_label: Arc<str>,
 }
@@ -189,6 +203,7 @@ impl InflightGuard {
         InflightGuard {
             model_label: Arc::from(served.unwrap_or(crate::telemetry::OTHER_MODEL)),
             slot,
+            charge: None,
         }
     }
 
@@ -203,6 +218,13 @@ impl InflightGuard {
     /// [`Self::model_label`] without a copy.
     pub fn model(&self) -> &str {
         &self.model_label
+    }
+
+    /// The first byte of the response arrived: its prompt is prefilled.
+    pub fn first_token(&mut self) {
+        if let Some(charge) = &mut self.charge {
+            charge.first_token();
+        }
     }
 
     /// This request is the probe of a backend on probation.

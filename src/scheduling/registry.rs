@@ -15,8 +15,8 @@ use super::plugins::picker::{
 };
 use super::plugins::scorer::{
     inflight::InflightScorer, kv_cache_utilization::KvCacheUtilizationScorer,
-    lora_affinity::LoraAffinityScorer, prefix_cache::PrefixCacheScorer, queue::QueueScorer,
-    session_affinity::SessionAffinityScorer,
+    lora_affinity::LoraAffinityScorer, prefill_cost::PrefillCostScorer,
+    prefix_cache::PrefixCacheScorer, queue::QueueScorer, session_affinity::SessionAffinityScorer,
 };
 use crate::config::{ConfigError, PluginSpec};
 
@@ -49,6 +49,14 @@ impl<T: Plugin + ?Sized> Plugin for AsPlugin<T> {
         backend: &crate::endpoints::Backend,
     ) {
         self.0.after_pick(request, state, backend);
+    }
+    fn prompt_work(
+        &self,
+        request: &crate::prompt::RequestView,
+        state: &super::framework::CycleState,
+        backend: &crate::endpoints::Backend,
+    ) -> Option<super::framework::PromptWork> {
+        self.0.prompt_work(request, state, backend)
     }
     fn backend_removed(&self, backend: &crate::endpoints::Backend) {
         self.0.backend_removed(backend);
@@ -150,6 +158,11 @@ pub const REGISTRY: &[Registration] = &[
     plain!(InflightScorer, Scorer),
     with_parameters!(PrefixCacheScorer, Scorer, "block_size = 32"),
     with_parameters!(SessionAffinityScorer, Scorer, "load_factor = 1.5"),
+    with_parameters!(
+        PrefillCostScorer,
+        Scorer,
+        "decode_weight = 0.1\nprefix = { block_size = 32 }"
+    ),
     plain!(LoraAffinityScorer, Scorer),
     plain!(MaxScorePicker, Picker),
     plain!(RandomPicker, Picker),

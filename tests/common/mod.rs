@@ -60,6 +60,9 @@ pub struct FakeState {
     pub cut_streams: std::sync::atomic::AtomicBool,
     /// Set when a stream's receiver went away before it finished (client disconnect).
     pub stream_abandoned: watch::Sender<bool>,
+    /// While true, streams send nothing (not even their first chunk) after the response head:
+    /// the request looks like one waiting for its prefill. Set it false to let them go.
+    pub hold_first: watch::Sender<bool>,
     /// Streams send this many extra chunks, one every `drip_ms`, before `[DONE]`.
     pub drip_chunks: std::sync::atomic::AtomicU64,
     pub drip_ms: std::sync::atomic::AtomicU64,
@@ -97,6 +100,7 @@ fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
         completion_status: 200.into(),
         cut_streams: false.into(),
         stream_abandoned: watch::channel(false).0,
+        hold_first: watch::channel(false).0,
         drip_chunks: 0.into(),
         drip_ms: 0.into(),
         sni: Mutex::new(None),
@@ -311,6 +315,11 @@ fn async_stream(
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     tokio::spawn(async move {
+        let mut first = s.hold_first.subscribe();
+        tokio::select! {
+            _ = first.wait_for(|held| !held) => {}
+            _ = tx.closed() => return,
+        }
         let _ = tx
             .send(Ok(Bytes::from(format!(
                 "data: {{\"first\":\"{}\"}}\n\n",

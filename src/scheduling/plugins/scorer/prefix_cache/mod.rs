@@ -123,6 +123,20 @@ impl Default for Params {
     }
 }
 
+/// How much of a request's prompt one candidate holds (see [`PrefixCacheScorer::held`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Held {
+    /// Full blocks held consecutively from the first…
+    pub blocks: usize,
+    /// …of this many full blocks in the prompt (0: nothing to match).
+    pub of: usize,
+    /// The tokens those blocks hold: `block_size` tokens each when precise; `block_size`
+    /// characters ÷ `chars_per_token` each when approximate.
+    pub tokens: f64,
+    /// Judged by the backend's KV events rather than the approximate index.
+    pub precise: bool,
+}
+
 /// Data kept for one request, across all of its decisions.
 struct Scratch {
     /// The prompt's block hashes, computed once per request.
@@ -276,6 +290,84 @@ impl PrefixCacheScorer {
         Some(chains.len() - 1)
     }
 
+    /// How much of `request`'s prompt each candidate holds, consecutively from the start:
+    /// by its reported blocks when its KV-event stream is live, else by the approximate index.
+    /// Leaves the request's hashes and matches in `state` for [`Plugin::after_pick`] (and for
+    /// the next decision of the same request). Scorers that reason in tokens (the
+    /// `prefill-cost-scorer`) call this on a scorer of their own.
+    pub fn held(
+        &self,
+        request: &RequestView,
+        state: &mut CycleState,
+        candidates: &[Candidate<'_>],
+    ) -> Vec<Held> {
+        let mut out = vec![Held::default(); candidates.len()];
+        if request.routing_text.is_none() && request.tokens.is_none() {
+            return out;
+        }
+        let (hashes, mut chains) = match state.take::<Scratch>(&self.name) {
+            Some(scratch) => (scratch.hashes, scratch.chains),
+            None => (self.hashes(request), Vec::new()),
+        };
+        let mut precise = Vec::new();
+        let exact = self.precise_matches(request, candidates, &mut chains, &mut precise);
+        let ids: Vec<(usize, u64)> = candidates
+            .iter()
+            .map(|c| (c.backend.id, c.state.epoch))
+            .collect();
+        let mut matched = vec![0usize; candidates.len()];
+        self.index.match_lengths(&hashes, &ids, &mut matched);
+        let n = hashes.len();
+        let chars_per_token = self.params.chars_per_token;
+        for ((slot, m), exact) in out.iter_mut().zip(&matched).zip(&exact) {
+            *slot = match exact {
+                Some((held, blocks, bs)) => Held {
+                    blocks: *held,
+                    of: *blocks,
+                    tokens: held.saturating_mul(*bs) as f64,
+                    precise: true,
+                },
+                None if n > 0 => Held {
+                    blocks: *m,
+                    of: n,
+                    tokens: m.saturating_mul(self.params.block_size) as f64 / chars_per_token,
+                    precise: false,
+                },
+                None => Held::default(),
+            };
+        }
+        if !precise.is_empty() {
+            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
+                .increment(precise.len() as u64);
+        }
+        let approximate = candidates.len().saturating_sub(precise.len());
+        if approximate > 0 && n > 0 {
+            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
+                .increment(approximate as u64);
+        }
+        let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
+        state.put(
+            &self.name,
+            Scratch {
+                hashes,
+                matched,
+                chains,
+                precise,
+            },
+        );
+        out
+    }
+
+    /// The prompt's length in tokens: its token ids when known, else its routing text's
+    /// characters ÷ `chars_per_token`.
+    pub fn prompt_tokens(&self, request: &RequestView) -> f64 {
+        match (&request.tokens, &request.routing_text) {
+            (Some(tokens), _) => tokens.ids.len() as f64,
+            (None, Some(text)) => text.len() as f64 / self.params.chars_per_token,
+            (None, None) => 0.0,
+        }
+    }
+
     /// Score the candidates whose stream is live precisely: `Some((held, blocks, block_size))`.
     fn precise_matches(
         &self,
@@ -381,56 +473,30 @@ impl Scorer for PrefixCacheScorer {
         scores: &mut [f64],
     ) {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        if request.routing_text.is_none() && request.tokens.is_none() {
-            return;
-        }
-        let (hashes, mut chains) = match state.take::<Scratch>(&self.name) {
-            Some(scratch) => (scratch.hashes, scratch.chains),
-            None => (self.hashes(request), Vec::new()),
-        };
-        let mut precise = Vec::new();
-        let exact = self.precise_matches(request, candidates, &mut chains, &mut precise);
-        let ids: Vec<(usize, u64)> = candidates
-            .iter()
-            .map(|c| (c.backend.id, c.state.epoch))
-            .collect();
-        let mut matched = vec![0usize; candidates.len()];
-        self.index.match_lengths(&hashes, &ids, &mut matched);
-        let n = hashes.len();
+        let held = self.held(request, state, candidates);
         let w = self.params.length_weight;
-        let formula = |m: usize, n: usize, chars: f64| {
-            let ratio = m as f64 / n as f64;
-            let length = (chars / self.params.long_match_chars as f64).min(1.0);
-            (1.0 - w) * ratio + w * length
-        };
         let mut any = false;
-        for ((slot, m), exact) in scores.iter_mut().zip(&matched).zip(&exact) {
-            match exact {
-                Some((held, blocks, bs)) if *blocks > 0 => {
-                    any = true;
-                    let chars = held.saturating_mul(*bs) as f64 * self.params.chars_per_token;
-                    *slot = formula(*held, *blocks, chars);
-                }
-                Some(_) => {}
-                None if n > 0 => {
-                    any = true;
-                    *slot = formula(*m, n, m.saturating_mul(self.params.block_size) as f64);
-                }
-                None => {}
+        for (slot, h) in scores.iter_mut().zip(&held) {
+            if h.of == 0 {
+                continue;
             }
-        }
-        if !precise.is_empty() {
-            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
-                .increment(precise.len() as u64);
-        }
-        let approximate = candidates.len().saturating_sub(precise.len());
-        if approximate > 0 && n > 0 {
-            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
-                .increment(approximate as u64);
+            any = true;
+            let chars = if h.precise {
+                h.tokens * self.params.chars_per_token
+            } else {
+                h.blocks.saturating_mul(self.params.block_size) as f64
+            };
+            let ratio = h.blocks as f64 / h.of as f64;
+            let length = (chars / self.params.long_match_chars as f64).min(1.0);
+            *slot = (1.0 - w) * ratio + w * length;
         }
         if any {
             let best = scores.iter().copied().fold(0.0, f64::max);
             if self.params.room_weight > 0.0 && best < 1.0 {
+                let ids: Vec<(usize, u64)> = candidates
+                    .iter()
+                    .map(|c| (c.backend.id, c.state.epoch))
+                    .collect();
                 let mut fill = vec![0.0; candidates.len()];
                 self.index.fill(&ids, &mut fill);
                 let spread = self.params.room_weight * (1.0 - best);
@@ -441,16 +507,6 @@ impl Scorer for PrefixCacheScorer {
                 }
             }
         }
-        let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
-        state.put(
-            &self.name,
-            Scratch {
-                hashes,
-                matched,
-                chains,
-                precise,
-            },
-        );
     }
 }
 
