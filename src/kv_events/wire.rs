@@ -156,6 +156,23 @@ fn hash_of_bytes(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
 }
 
+/// Per msgpack marker byte, the token-id encoding the fast loop reads: 0 positive fixint, 1 u8,
+/// 2 u16, 3 u32, 4 anything else.
+const TOKEN_KIND: [u8; 256] = {
+    let mut t = [4u8; 256];
+    let mut i = 0;
+    while i < 0x80 {
+        t[i] = 0;
+        i += 1;
+    }
+    t[0xcc] = 1;
+    t[0xcd] = 2;
+    t[0xce] = 3;
+    t
+};
+/// Bytes taken by each encoding of [`TOKEN_KIND`].
+const TOKEN_LEN: [usize; 4] = [1, 2, 3, 5];
+
 struct Cursor<'a> {
     buf: &'a [u8],
 }
@@ -324,29 +341,38 @@ impl<'a> Cursor<'a> {
     fn tokens(&mut self) -> Result<Vec<u32>, WireError> {
         let n = self.array_len()?;
         let mut out = Vec::with_capacity(n);
-        // The hot loop of ingest: token ids are positive fixints, u8, u16 or u32 (vocabularies
-        // are far below 2^32); those are read straight off the slice, anything else falls back
-        // to the general integer reader.
+        // The hot loop of ingest. Token ids are positive fixints, u8, u16 or u32 (vocabularies
+        // are far below 2^32), mixed at random: a branch per encoding would be mispredicted
+        // about every other token. So while 8 bytes remain, one big-endian load gives every
+        // candidate value and a table gives the encoding: no data-dependent branch. Anything
+        // else (and the last few bytes) goes through the general integer reader.
         let mut buf = self.buf;
-        for _ in 0..n {
-            let (id, len) = match buf {
-                [b, ..] if *b < 0x80 => (u32::from(*b), 1),
-                [0xcc, b, ..] => (u32::from(*b), 2),
-                [0xcd, a, b, ..] => (u32::from(u16::from_be_bytes([*a, *b])), 3),
-                [0xce, a, b, c, d, ..] => (u32::from_be_bytes([*a, *b, *c, *d]), 5),
-                _ => {
-                    self.buf = buf;
-                    let id = u32::try_from(self.uint("token id")?)
-                        .map_err(|_| WireError::Unexpected("token id"))?;
-                    buf = self.buf;
-                    out.push(id);
-                    continue;
-                }
+        let mut left = n;
+        while left > 0 {
+            let Some(word) = buf.first_chunk::<8>() else {
+                break;
             };
-            buf = buf.get(len..).unwrap_or_default();
-            out.push(id);
+            let w = u64::from_be_bytes(*word);
+            let kind = TOKEN_KIND[(w >> 56) as usize] as usize;
+            if kind >= 4 {
+                break;
+            }
+            let values = [
+                w >> 56,
+                (w >> 48) & 0xff,
+                (w >> 40) & 0xffff,
+                (w >> 24) & 0xffff_ffff,
+            ];
+            out.push(values[kind] as u32);
+            buf = &buf[TOKEN_LEN[kind]..];
+            left -= 1;
         }
         self.buf = buf;
+        for _ in 0..left {
+            let id = u32::try_from(self.uint("token id")?)
+                .map_err(|_| WireError::Unexpected("token id"))?;
+            out.push(id);
+        }
         Ok(out)
     }
 
