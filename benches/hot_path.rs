@@ -6,6 +6,10 @@
 //! prompt at 100 backends ≤ 10 µs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+/// The binary's allocator, so allocation-heavy paths (tokenization) cost what they cost there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
@@ -214,6 +218,119 @@ fn stored_batch(n: usize, blocks: usize, bs: usize, seed: u64) -> Vec<u8> {
     encode::payload(0.0, &events)
 }
 
+/// One vLLM 0.32 `BlockStored` map with every field vLLM writes (as in the committed capture:
+/// `lora_id`, `lora_name`, `extra_keys` as nils, `group_idx`, `kv_cache_spec_kind`).
+fn vllm_stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) {
+    use rmp::encode as e;
+    e::write_map_len(out, 11).unwrap();
+    e::write_str(out, "type").unwrap();
+    e::write_str(out, "BlockStored").unwrap();
+    e::write_str(out, "block_hashes").unwrap();
+    e::write_array_len(out, hashes.len() as u32).unwrap();
+    for h in hashes {
+        e::write_uint(out, *h).unwrap();
+    }
+    e::write_str(out, "parent_block_hash").unwrap();
+    match parent {
+        Some(p) => {
+            e::write_uint(out, p).unwrap();
+        }
+        None => e::write_nil(out).unwrap(),
+    }
+    e::write_str(out, "token_ids").unwrap();
+    e::write_array_len(out, tokens.len() as u32).unwrap();
+    for t in tokens {
+        e::write_uint(out, u64::from(*t)).unwrap();
+    }
+    e::write_str(out, "block_size").unwrap();
+    e::write_uint(out, u64::from(bs)).unwrap();
+    e::write_str(out, "lora_id").unwrap();
+    e::write_nil(out).unwrap();
+    e::write_str(out, "medium").unwrap();
+    e::write_str(out, "GPU").unwrap();
+    e::write_str(out, "lora_name").unwrap();
+    e::write_nil(out).unwrap();
+    e::write_str(out, "extra_keys").unwrap();
+    e::write_array_len(out, hashes.len() as u32).unwrap();
+    for _ in hashes {
+        e::write_nil(out).unwrap();
+    }
+    e::write_str(out, "group_idx").unwrap();
+    e::write_uint(out, 0).unwrap();
+    e::write_str(out, "kv_cache_spec_kind").unwrap();
+    e::write_str(out, "full_attention").unwrap();
+}
+
+fn vllm_removed(out: &mut Vec<u8>, hash: u64) {
+    use rmp::encode as e;
+    e::write_map_len(out, 4).unwrap();
+    e::write_str(out, "type").unwrap();
+    e::write_str(out, "BlockRemoved").unwrap();
+    e::write_str(out, "block_hashes").unwrap();
+    e::write_array_len(out, 1).unwrap();
+    e::write_uint(out, hash).unwrap();
+    e::write_str(out, "medium").unwrap();
+    e::write_str(out, "GPU").unwrap();
+    e::write_str(out, "group_idx").unwrap();
+    e::write_uint(out, 0).unwrap();
+}
+
+/// `count` messages shaped like a busy vLLM's engine steps: each step prefills 2,048 tokens of
+/// one new prompt (one `BlockStored` chain from the start), completes a block for 16 decoding
+/// requests (16 one-block `BlockStored` whose parent is a block stored a step earlier), and,
+/// the cache being full, evicts as many blocks as it stored, one `BlockRemoved` per block as
+/// the capture shows. Returns the messages and the blocks stored per message.
+fn vllm_steps(count: usize, bs: usize) -> (Vec<Vec<u8>>, u64) {
+    let prefill_blocks = 2_048 / bs;
+    let decode = 16usize;
+    let per_step = prefill_blocks + decode;
+    // Blocks stay cached for `keep` steps before vLLM evicts them.
+    let keep = 64usize;
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut stored: Vec<Vec<u64>> = Vec::with_capacity(count);
+    let mut next_hash = 1u64 << 40;
+    let mut messages = Vec::with_capacity(count);
+    for m in 0..count {
+        let mut out = Vec::new();
+        let events = per_step + 1 + decode;
+        rmp::encode::write_array_len(&mut out, 3).unwrap();
+        rmp::encode::write_f64(&mut out, 1.7e9 + m as f64 * 0.01).unwrap();
+        rmp::encode::write_array_len(&mut out, events as u32).unwrap();
+        // Evictions of the step `keep` earlier (cyclically, so replaying stays consistent).
+        let old = (m + count - keep % count) % count;
+        for i in 0..per_step {
+            let h = (old * per_step + i) as u64 + (1 << 40);
+            vllm_removed(&mut out, h);
+        }
+        let mut mine = Vec::with_capacity(per_step);
+        let mut take = || {
+            let h = next_hash;
+            next_hash += 1;
+            h
+        };
+        let hashes: Vec<u64> = (0..prefill_blocks).map(|_| take()).collect();
+        let tokens: Vec<u32> = (0..prefill_blocks * bs)
+            .map(|_| rng.u32(..128_000))
+            .collect();
+        vllm_stored(&mut out, &hashes, None, &tokens, bs as u32);
+        mine.extend_from_slice(&hashes);
+        for d in 0..decode {
+            let parent = m
+                .checked_sub(1)
+                .and_then(|p| stored.get(p))
+                .map(|prev: &Vec<u64>| prev[d % prev.len()]);
+            let h = take();
+            let tokens: Vec<u32> = (0..bs).map(|_| rng.u32(..128_000)).collect();
+            vllm_stored(&mut out, &[h], parent, &tokens, bs as u32);
+            mine.push(h);
+        }
+        rmp::encode::write_uint(&mut out, 0).unwrap(); // data_parallel_rank
+        stored.push(mine);
+        messages.push(out);
+    }
+    (messages, per_step as u64)
+}
+
 /// Decoding and applying KV-event messages on one backend's store (the subscriber's work).
 fn kv_ingest(c: &mut Criterion) {
     use inferlb::kv_events::store::BlockStore;
@@ -237,7 +354,80 @@ fn kv_ingest(c: &mut Criterion) {
             })
         });
     }
+    // Busy-engine steps in vLLM 0.32's exact encoding, 256 messages replayed in turn on a store
+    // bounded by num_gpu_blocks = 20,000 (vLLM's own removals keep it below the bound).
+    for bs in [16usize, 128] {
+        let (messages, per_message) = vllm_steps(256, bs);
+        let store = BlockStore::default();
+        store.turn_on(10_000, "bench".into());
+        store.set_gpu_blocks(Some(20_000));
+        for (i, m) in messages.iter().enumerate() {
+            store.apply(i as u64, &decode_payload(i as u64, m).unwrap().events, 0);
+        }
+        let mut seq = 0u64;
+        g.throughput(Throughput::Elements(per_message));
+        g.bench_function(BenchmarkId::new("vllm_steps", bs), |b| {
+            b.iter(|| {
+                let m = &messages[(seq % 256) as usize];
+                let batch = decode_payload(seq, m).unwrap();
+                store.apply(seq, &batch.events, 0);
+                seq += 1;
+            })
+        });
+    }
+    // The committed real capture (28 messages, block size 128), replayed in turn.
+    {
+        let raw = include_bytes!("../tests/fixtures/vllm-0.32-cpu-frames.msgpack");
+        let frames: Vec<Vec<Vec<u8>>> = rmp_serde_free_decode(raw);
+        let payloads: Vec<Vec<u8>> = frames.into_iter().map(|mut f| f.remove(2)).collect();
+        let blocks: u64 = payloads
+            .iter()
+            .map(|p| {
+                decode_payload(0, p)
+                    .unwrap()
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        inferlb::kv_events::wire::Event::Stored(s) => s.block_hashes.len() as u64,
+                        _ => 0,
+                    })
+                    .sum::<u64>()
+            })
+            .sum();
+        let store = BlockStore::default();
+        store.turn_on(10_000, "bench".into());
+        store.set_gpu_blocks(Some(64));
+        let mut seq = 0u64;
+        g.throughput(Throughput::Elements(blocks));
+        g.bench_function(BenchmarkId::new("real_capture_pass", 128), |b| {
+            b.iter(|| {
+                for p in &payloads {
+                    let batch = decode_payload(seq, p).unwrap();
+                    store.apply(seq, &batch.events, 0);
+                    seq += 1;
+                }
+            })
+        });
+    }
     g.finish();
+}
+
+/// The capture file: one msgpack array of `[topic, seq, payload]` byte strings.
+fn rmp_serde_free_decode(mut raw: &[u8]) -> Vec<Vec<Vec<u8>>> {
+    let n = rmp::decode::read_array_len(&mut raw).unwrap();
+    (0..n)
+        .map(|_| {
+            let parts = rmp::decode::read_array_len(&mut raw).unwrap();
+            (0..parts)
+                .map(|_| {
+                    let len = rmp::decode::read_bin_len(&mut raw).unwrap() as usize;
+                    let (head, rest) = raw.split_at(len);
+                    raw = rest;
+                    head.to_vec()
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// A full decision with precise data: 64 backends with live streams, each holding a different
@@ -272,7 +462,127 @@ fn precise_decision(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("32k_tokens", 64), |b| {
         b.iter(|| black_box(decide(&scheduler, &view)))
     });
+    chat_decisions(&mut g);
     g.finish();
+}
+
+/// Prose-like text of about `chars` characters for the tokenizer benches (a fixed vocabulary,
+/// newlines now and then; `seed` changes it from the first word).
+fn chat_text(chars: usize, seed: u64) -> String {
+    const WORDS: &[&str] = &[
+        "the",
+        "model",
+        "cache",
+        "prefix",
+        "token",
+        "request",
+        "server",
+        "router",
+        "load",
+        "balance",
+        "hello",
+        "world",
+        "system",
+        "user",
+        "assistant",
+        "question",
+        "answer",
+        "number",
+        "water",
+    ];
+    let mut s = String::with_capacity(chars + 16);
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while s.len() < chars {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+        s.push(if x % 11 == 0 { '\n' } else { ' ' });
+    }
+    s.truncate(chars);
+    s
+}
+
+fn chat_body(system: &str, user: &str) -> Vec<u8> {
+    serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]})
+    .to_string()
+    .into_bytes()
+}
+
+/// The aim: a full precise decision for a 32k-character chat prompt at 64 backends,
+/// as the front door makes it: parse the body, tokenize it (tests/fixtures/tiny-llama: render
+/// the chat template, BPE; the prefix cache warm with the system prompt, or off), then the
+/// default profile's decision, whose prefix scorer chain-hashes the ids and matches them
+/// against 64 live stores (block size 16; backend i holds the first i/64 of the system
+/// prompt's blocks) — and records the pick. Each iteration has a new user message.
+fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    use inferlb::config::TokenizationConfig;
+    use inferlb::kv_events::wire::{Event, Medium, Stored};
+    use inferlb::tokenization::Tokenizers;
+    let load = |cache_tokens: u64| {
+        Tokenizers::load(&TokenizationConfig {
+            dir: Some(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama").into()),
+            prefix_cache_tokens: cache_tokens,
+            ..TokenizationConfig::default()
+        })
+        .unwrap()
+    };
+    // (name, system chars, user chars): 90 % / 10 %, and a short turn after a long system prompt.
+    for (name, system_chars, user_chars) in [
+        ("chat_32k_chars_90_10", 28_800usize, 3_200usize),
+        ("chat_32k_chars_short_turn", 31_500, 500),
+    ] {
+        let system = chat_text(system_chars, 1);
+        for (mode, cache) in [("warm", 4_000_000u64), ("cold", 0)] {
+            let tokenizers = load(cache);
+            let (scheduler, _) = fleet(64, 1, 1_000);
+            // The system prompt's ids, as the backends' events report them.
+            let probe = chat_body(&system, "x");
+            let mut v = RequestView::parse(Operation::ChatCompletions, &probe).unwrap();
+            tokenizers.fill(&mut v, &probe);
+            let ids = v.tokens.as_ref().unwrap().ids.clone();
+            let blocks = ids.len() / 16;
+            for (i, b) in scheduler.pool().backends().iter().enumerate() {
+                let held = blocks * i / 64;
+                b.kv().turn_on(3_600_000, "bench".into());
+                b.kv().apply(
+                    0,
+                    &[Event::Stored(Stored {
+                        block_hashes: (0..held as u64).map(|h| (i as u64) << 32 | h).collect(),
+                        parent: None,
+                        token_ids: ids[..held * 16].to_vec(),
+                        block_size: 16,
+                        lora_name: None,
+                        medium: Medium::Gpu,
+                        extra_keys: Vec::new(),
+                    })],
+                    0,
+                );
+            }
+            let mut n = 0u64;
+            // Warm the prefix cache with the system prompt.
+            let warmup = chat_body(&system, &chat_text(user_chars, 999));
+            let mut v = RequestView::parse(Operation::ChatCompletions, &warmup).unwrap();
+            tokenizers.fill(&mut v, &warmup);
+            g.bench_function(BenchmarkId::new(format!("{name}_{mode}"), 64), |b| {
+                b.iter_batched(
+                    || {
+                        n += 1;
+                        chat_body(&system, &chat_text(user_chars, n + 2))
+                    },
+                    |body| {
+                        let mut view =
+                            RequestView::parse(Operation::ChatCompletions, &body).unwrap();
+                        tokenizers.fill(&mut view, &body);
+                        debug_assert!(view.tokens.is_some());
+                        black_box(decide(&scheduler, &view))
+                    },
+                    criterion::BatchSize::SmallInput,
+                )
+            });
+        }
+    }
 }
 
 criterion_group!(

@@ -1,12 +1,22 @@
-//! Tokenizing chat prompts (tests/fixtures/tiny-llama: byte-level BPE, 2,048 ids): render the
-//! template + BPE, for prompts of 1k, 8k and 32k characters; cold (no prefix cache) and warm (the
-//! same system prompt with a new user message each time, the prefix cache holding the system
-//! part).  `cargo bench --bench tokenize`
+//! Tokenizing prompts (tests/fixtures/tiny-llama: byte-level BPE, 2,048 ids) as the front door
+//! does ([`Tokenizers::fill`]), for prompts of 1k, 8k and 32k characters:
+//! * chat: render the template + BPE; cold (no prefix cache) and warm (the same system prompt,
+//!   90 % of the characters, with a new user message each time: the prefix cache holds the
+//!   system part);
+//! * completion (a text prompt, special tokens on): cold and warm — completions have no safe
+//!   cut unless the text contains an added token, so "warm" shows the cache costs nothing there.
+//!
+//! `cargo bench --all-features --bench tokenize` (add `-- --quick` for a fast pass).
+
+/// The binary's allocator (tokenization allocates a lot; glibc's malloc would overstate it).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use inferlb::config::TokenizationConfig;
+use inferlb::prompt::{Operation, RequestView};
 use inferlb::tokenization::Tokenizers;
 
 const WORDS: &[&str] = &[
@@ -63,6 +73,41 @@ fn load(cache_tokens: u64) -> Tokenizers {
     }
 }
 
+/// The front door's work: parse the body, fill the token ids.
+fn fill(t: &Tokenizers, op: Operation, body: &[u8]) -> usize {
+    let mut view = match RequestView::parse(op, body) {
+        Ok(v) => v,
+        Err(e) => panic!("{e}"),
+    };
+    t.fill(&mut view, body);
+    view.tokens.map_or(0, |t| t.ids.len())
+}
+
+fn completions(c: &mut Criterion) {
+    let tokenizers = [("cold", load(0)), ("warm", load(4_000_000))];
+    let mut g = c.benchmark_group("tokenize_completion");
+    for chars in [1_000usize, 8_000, 32_000] {
+        let counter = AtomicU64::new(0);
+        for (mode, t) in &tokenizers {
+            g.bench_with_input(BenchmarkId::new(*mode, chars), &chars, |b, &chars| {
+                b.iter_batched(
+                    || {
+                        // 90 % the same text, the end new each time.
+                        let head = text(chars * 9 / 10, 1);
+                        let tail = text(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2);
+                        serde_json::json!({"model": "m", "prompt": head + &tail})
+                            .to_string()
+                            .into_bytes()
+                    },
+                    |req| fill(t, Operation::Completions, &req),
+                    criterion::BatchSize::SmallInput,
+                )
+            });
+        }
+    }
+    g.finish();
+}
+
 fn bench(c: &mut Criterion) {
     let cold = load(0);
     let warm = load(4_000_000);
@@ -102,5 +147,5 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+criterion_group!(benches, bench, completions);
 criterion_main!(benches);

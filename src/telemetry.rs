@@ -78,7 +78,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
     (CONFIG_RELOADS, "Configuration reloads (SIGHUP or a change of the --config file), by result (ok, error)."),
     (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
-    (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer)."),
+    (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer; no_live_stream: no backend had a live KV-event stream, so tokenizing was skipped)."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
     (QUEUE_WAIT, "Time requests waited in the router's queue for a backend slot before being dispatched or refused, by priority class."),

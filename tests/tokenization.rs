@@ -1,7 +1,8 @@
 //! In-process tokenization through the real binary: with `--tokenizer tests/fixtures/tiny-llama`
 //! the scheduler sees the token ids vLLM would compute — here checked against a `vllm-sim`
 //! started with the same tokenizer (its `/tokenize` and engine use `hf-tokenize` too) and
-//! against the crate directly, through the explain header and `/admin/decisions`.
+//! against the crate directly, through the explain header and `/admin/decisions` — while the
+//! backend's KV-event stream is live; with no live stream the work is skipped and counted.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -50,13 +51,92 @@ fn prompt_tokens(resp: &reqwest::Response) -> Option<usize> {
         .map(|n| n.parse().unwrap())
 }
 
+/// Poll `/admin/backends` until the (only) backend's KV-event stream is live (at most 20 s).
+async fn until_live(base: &str) {
+    let client = common::client();
+    for _ in 0..200 {
+        if let Ok(resp) = client.get(format!("{base}/admin/backends")).send().await {
+            if let Ok(v) = resp.json::<Value>().await {
+                let live = v["backends"]
+                    .as_array()
+                    .is_some_and(|b| b.iter().any(|b| b["kv_events"]["status"] == "live"));
+                if live {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no live KV-event stream within 20 s");
+}
+
+/// Without any live KV-event stream the ids would be read by nobody: the front door skips
+/// tokenizing (the decision has no `prompt_tokens`) and counts it. Turn the check off (always
+/// tokenize) and this fails on both assertions.
 #[tokio::test]
-async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
+async fn tokenizing_is_skipped_while_no_backend_stream_is_live() {
     let sim = vllm_sim::spawn(SimConfig {
         port: 0,
         model: "tiny-llama".into(),
         tokenizer: Some(FIXTURE.into()),
         instant: true,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("inferlb-tok-skip-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, "[admin]\nexplain = true\n").unwrap();
+    let backend = sim.url();
+    let router = spawn_with(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--backend",
+        &backend,
+        "--tokenizer",
+        FIXTURE,
+        "--poll-interval-ms",
+        "100",
+    ]);
+    let base = format!("http://{}", router.addr);
+    let chat = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [
+        {"role": "system", "content": "you are a router of the load"},
+        {"role": "user", "content": "what is the prefix cache"}]});
+    for _ in 0..3 {
+        let resp = post_explained(&format!("{base}/v1/chat/completions"), &chat).await;
+        assert_eq!(prompt_tokens(&resp), None, "tokenized with no live stream");
+    }
+    let metrics = common::metrics_at(&router.addr).await;
+    let skipped = metrics
+        .lines()
+        .find(|l| l.starts_with("inferlb_tokenize_skipped_total{reason=\"no_live_stream\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse::<f64>().ok());
+    assert!(
+        skipped.is_some_and(|n| n >= 3.0),
+        "skips not counted: {skipped:?}"
+    );
+    router.signal("-TERM");
+    router.exit().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
+    // The simulator publishes KV events (found by `--kv-events auto`): tokens are only
+    // computed while some backend's stream is live.
+    let sim = vllm_sim::spawn(SimConfig {
+        port: 0,
+        model: "tiny-llama".into(),
+        tokenizer: Some(FIXTURE.into()),
+        instant: true,
+        kv_events_config: Some(
+            vllm_sim::KvEventsConfig::parse(
+                r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","topic":"kv@sim"}"#,
+            )
+            .unwrap(),
+        ),
         ..SimConfig::default()
     })
     .await
@@ -73,11 +153,14 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
         &backend,
         "--tokenizer",
         FIXTURE,
+        "--kv-events",
+        "auto",
         "--poll-interval-ms",
         "100",
     ]);
     let base = format!("http://{}", router.addr);
     let client = common::client();
+    until_live(&base).await;
     // Start the decision ring (it records only once someone reads it).
     client
         .get(format!("{base}/admin/decisions"))

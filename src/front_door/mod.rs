@@ -257,9 +257,12 @@ async fn forward(
         None => RequestView::parse_with(operation, &body, &limits)?,
     };
     // The prompt stage's second half: token ids, for models with a tokenizer (the body limit
-    // bounds the work; a model without one costs a map lookup).
+    // bounds the work; a model without one costs a map lookup), and only while some backend's
+    // KV-event stream is live (nothing else reads them).
     if form_boundary.is_none() {
-        app.tokenizers.fill(&mut view, &body);
+        app.tokenizers.fill_if(&mut view, &body, || {
+            crate::kv_events::any_live(&app.pool.backends(), crate::kv_events::store::now_ms())
+        });
     }
     tag(&config, &mut parts, &mut view);
     let request_id = parts

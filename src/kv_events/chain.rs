@@ -38,8 +38,14 @@ pub fn block_hash(
         tagged(scratch, 0x02, key);
     }
     scratch.push(0xFF);
-    for t in tokens {
-        scratch.extend_from_slice(&t.to_le_bytes());
+    // Grow once, then write the ids in place (a loop the compiler vectorizes; pushing 4 bytes
+    // at a time re-checks the capacity for every token).
+    let start = scratch.len();
+    scratch.resize(start.saturating_add(tokens.len().saturating_mul(4)), 0);
+    if let Some(dst) = scratch.get_mut(start..) {
+        for (d, t) in dst.chunks_exact_mut(4).zip(tokens) {
+            d.copy_from_slice(&t.to_le_bytes());
+        }
     }
     xxh3_64(scratch)
 }

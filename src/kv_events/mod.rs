@@ -19,13 +19,26 @@
 //! membership; the request path only ever reads the stores, without locks.
 
 pub mod chain;
+pub mod fleet;
 pub mod store;
 pub mod subscriber;
 pub mod wire;
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 
 use crate::config::{BackendConfig, ConfigError};
+use crate::endpoints::Backend;
+
+/// Whether any of `backends` has a `live` stream at `now` ([`store::now_ms`]): only then can
+/// token ids change a decision. One atomic load per backend until the first live one; never
+/// waits.
+pub fn any_live(backends: &[Arc<Backend>], now: u64) -> bool {
+    backends
+        .iter()
+        .any(|b| b.kv().status(now) == store::Status::Live)
+}
 
 /// `[kv_events]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

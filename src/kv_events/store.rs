@@ -2,15 +2,19 @@
 //! KV cache holds, as its event stream reported them, plus the stream's status.
 //!
 //! Two sides with different needs:
-//! * the **reader** (the prefix scorer, on the request path) asks "does it hold block h?" for
-//!   the first blocks of a prompt. The set is an [`scc::HashIndex`]: its reads take no lock at
-//!   all (epoch-based reclamation; a writer that inserts, removes or resizes never makes a
-//!   reader wait), so a flood of events on one backend cannot delay a decision. The crate is
-//!   already compiled for `zeromq`. Measured in `benches/hot_path.rs` (`kv_events/*`).
+//! * the **reader** (the prefix scorer, on the request path) asks "how many of this prompt's
+//!   blocks do you hold, consecutively from the first?". The held blocks are this store's bit
+//!   in the shared [`super::fleet`] index (an [`scc::HashIndex`] of per-block masks: reads take
+//!   no lock at all, so a flood of events on one backend cannot delay a decision), which
+//!   answers every candidate of a decision with one walk of the prompt's chain. Measured in
+//!   `benches/hot_path.rs` (`kv_ingest`, `precise_decision`).
 //! * the **writer** (that backend's subscriber task, off the request path) keeps the map from
 //!   vLLM's hash (per medium) to ours, a reference count per hash of ours (a block can sit in
 //!   the GPU and the CPU tier at once) and the insertion order for the capacity bound, under a
-//!   mutex only it takes.
+//!   mutex only it takes. Both maps hash with foldhash and a per-process random seed: their
+//!   keys are hashes, but chosen by the backend (vLLM's) or derived from client tokens (ours),
+//!   so passing them through unhashed would let a hostile backend or client aim every key at
+//!   one bucket; a keyed hash costs about a nanosecond and closes that.
 //!
 //! Bounds: at most `capacity` vLLM blocks are kept, `capacity` = the backend's `num_gpu_blocks`
 //! (`vllm:cache_config_info`) per tier seen (GPU, CPU, other) plus 1/8 slack, or
@@ -20,7 +24,6 @@
 //! [`MAX_PENDING`] of them, purged by the subscriber's tick.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Instant;
@@ -28,15 +31,16 @@ use std::time::Instant;
 use scc::{Guard, HashIndex};
 
 use super::chain::block_hash;
-use super::wire::{Event, Medium, Stored};
-use crate::scheduling::plugins::scorer::prefix_cache::index::PassThroughHasher;
+use super::fleet::fleet;
+use super::wire::{Event, Medium, Stored, MAX_EXTRA};
 
 /// Blocks kept while the backend's `num_gpu_blocks` is unknown.
 pub const DEFAULT_CAPACITY: usize = 1 << 20;
 /// In-flight blocks kept per backend.
 pub const MAX_PENDING: usize = 1 << 16;
 
-type Set<V> = HashIndex<u64, V, BuildHasherDefault<PassThroughHasher>>;
+type Set<V> = HashIndex<u64, V, foldhash::fast::RandomState>;
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Milliseconds since the process's first call: the store's clock.
 pub fn now_ms() -> u64 {
@@ -104,9 +108,9 @@ struct Stats {
 #[derive(Debug)]
 struct Ingest {
     /// (vLLM hash, medium) → (our hash, insertion generation).
-    by_vllm: HashMap<(u64, Medium), (u64, u64)>,
+    by_vllm: Map<(u64, Medium), (u64, u64)>,
     /// Our hash → how many (vLLM hash, medium) entries name it.
-    refs: HashMap<u64, u32>,
+    refs: Map<u64, u32>,
     /// Insertion order for the capacity bound; stale entries are skipped by generation.
     order: VecDeque<((u64, Medium), u64)>,
     generation: u64,
@@ -116,14 +120,13 @@ struct Ingest {
     /// Blocks stored since the store became unsure.
     since_unsure: usize,
     scratch: Vec<u8>,
-    extra: Vec<String>,
 }
 
 impl Default for Ingest {
     fn default() -> Self {
         Ingest {
-            by_vllm: HashMap::new(),
-            refs: HashMap::new(),
+            by_vllm: Map::default(),
+            refs: Map::default(),
             order: VecDeque::new(),
             generation: 0,
             gpu_blocks: None,
@@ -131,7 +134,6 @@ impl Default for Ingest {
             last_seq: None,
             since_unsure: 0,
             scratch: Vec::new(),
-            extra: Vec::new(),
         }
     }
 }
@@ -152,7 +154,8 @@ impl Ingest {
 /// One backend's store. Created with the backend (status `off`); its subscriber task turns it on.
 #[derive(Default)]
 pub struct BlockStore {
-    held: Set<()>,
+    /// This store's slot in the [`super::fleet`] index, taken when it first holds a block.
+    slot: OnceLock<u32>,
     pending: Set<u64>,
     pending_len: AtomicUsize,
     held_len: AtomicUsize,
@@ -228,21 +231,30 @@ impl BlockStore {
     }
 
     /// How many of `chain`'s blocks, consecutive from the first, the backend holds or was
-    /// sent within the in-flight time. Never blocks.
+    /// sent within the in-flight time. Never blocks. The held part comes from the fleet
+    /// index's walk (shared with the decision's other candidates); in-flight blocks extend it.
     pub fn matched(&self, chain: &[u64], now: u64) -> usize {
+        let slot = self.slot.get().copied();
+        let held = slot.map_or(0, |s| fleet().matched(chain, s));
+        if self.pending_len.load(Ordering::Relaxed) == 0 {
+            return held;
+        }
         let guard = Guard::new();
-        let check_pending = self.pending_len.load(Ordering::Relaxed) > 0;
-        chain
+        let rest = chain.get(held..).unwrap_or_default();
+        held + rest
             .iter()
             .take_while(|h| {
-                self.held.peek(*h, &guard).is_some()
-                    || (check_pending
-                        && self
-                            .pending
-                            .peek(*h, &guard)
-                            .is_some_and(|deadline| *deadline > now))
+                slot.is_some_and(|s| fleet().holds(**h, s, &guard))
+                    || self
+                        .pending
+                        .peek(*h, &guard)
+                        .is_some_and(|deadline| *deadline > now)
             })
             .count()
+    }
+
+    fn slot(&self) -> u32 {
+        *self.slot.get_or_init(|| fleet().take_slot())
     }
 
     /// `chain` was sent to the backend, which held its first `held` blocks: the rest count as
@@ -327,9 +339,15 @@ impl BlockStore {
     pub fn clear(&self) {
         let mut ingest = self.lock();
         ingest.by_vllm.clear();
+        if let Some(&slot) = self.slot.get() {
+            let f = fleet();
+            for ours in ingest.refs.keys() {
+                f.unset(*ours, slot);
+            }
+            f.bump();
+        }
         ingest.refs.clear();
         ingest.order.clear();
-        self.held.clear_sync();
         self.pending.clear_sync();
         self.pending_len.store(0, Ordering::Relaxed);
         self.held_len.store(0, Ordering::Relaxed);
@@ -383,6 +401,7 @@ impl BlockStore {
         }
         self.held_len.store(ingest.refs.len(), Ordering::Relaxed);
         drop(ingest);
+        fleet().bump();
         self.stats.messages.fetch_add(1, Ordering::Relaxed);
         self.last_message_ms.store(now, Ordering::Relaxed);
         self.expect_since.store(0, Ordering::Release);
@@ -414,22 +433,26 @@ impl BlockStore {
             }
         };
         let lora = s.lora_name.as_deref();
+        let slot = self.slot();
         let mut stored = 0u64;
+        let mut scratch = std::mem::take(&mut ingest.scratch);
         for (i, (vllm, tokens)) in s
             .block_hashes
             .iter()
             .zip(s.token_ids.chunks_exact(bs))
             .enumerate()
         {
-            let mut extra = std::mem::take(&mut ingest.extra);
-            extra.clear();
-            if let Some(keys) = s.extra_keys.get(i) {
-                extra.extend(keys.iter().filter(|k| Some(k.as_str()) != lora).cloned());
+            // The block's extra keys other than the adapter name (the decoder keeps at most
+            // MAX_EXTRA), borrowed: no allocation per block.
+            let mut keys = [""; MAX_EXTRA];
+            let mut n = 0;
+            for k in s.extra_keys.get(i).into_iter().flatten() {
+                if Some(k.as_str()) != lora && n < MAX_EXTRA {
+                    keys[n] = k.as_str();
+                    n += 1;
+                }
             }
-            let refs: Vec<&str> = extra.iter().map(String::as_str).collect();
-            let ours = block_hash(prev, lora, &refs, tokens, &mut ingest.scratch);
-            drop(refs);
-            ingest.extra = extra;
+            let ours = block_hash(prev, lora, &keys[..n], tokens, &mut scratch);
             prev = Some(ours);
             let key = (*vllm, s.medium);
             ingest.generation = ingest.generation.wrapping_add(1);
@@ -440,11 +463,12 @@ impl BlockStore {
             let count = ingest.refs.entry(ours).or_insert(0);
             *count = count.saturating_add(1);
             if *count == 1 {
-                let _ = self.held.insert_sync(ours, ());
+                fleet().set(ours, slot);
             }
             ingest.order.push_back((key, generation));
             stored += 1;
         }
+        ingest.scratch = scratch;
         ingest.since_unsure = ingest.since_unsure.saturating_add(stored as usize);
         self.stats.stored.fetch_add(stored, Ordering::Relaxed);
     }
@@ -454,7 +478,9 @@ impl BlockStore {
             *count = count.saturating_sub(1);
             if *count == 0 {
                 ingest.refs.remove(&ours);
-                self.held.remove_sync(&ours);
+                if let Some(&slot) = self.slot.get() {
+                    fleet().unset(ours, slot);
+                }
             }
         }
     }
@@ -515,6 +541,16 @@ impl BlockStore {
             "orphan_blocks": s.orphans.load(Ordering::Relaxed),
             "decode_errors": s.errors.load(Ordering::Relaxed),
         })
+    }
+}
+
+impl Drop for BlockStore {
+    /// Clear this store's bits from the fleet index and give its slot back.
+    fn drop(&mut self) {
+        self.clear();
+        if let Some(&slot) = self.slot.get() {
+            fleet().free_slot(slot);
+        }
     }
 }
 

@@ -156,6 +156,23 @@ fn hash_of_bytes(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
 }
 
+/// Per msgpack marker byte, the token-id encoding the fast loop reads: 0 positive fixint, 1 u8,
+/// 2 u16, 3 u32, 4 anything else.
+const TOKEN_KIND: [u8; 256] = {
+    let mut t = [4u8; 256];
+    let mut i = 0;
+    while i < 0x80 {
+        t[i] = 0;
+        i += 1;
+    }
+    t[0xcc] = 1;
+    t[0xcd] = 2;
+    t[0xce] = 3;
+    t
+};
+/// Bytes taken by each encoding of [`TOKEN_KIND`].
+const TOKEN_LEN: [usize; 4] = [1, 2, 3, 5];
+
 struct Cursor<'a> {
     buf: &'a [u8],
 }
@@ -324,25 +341,64 @@ impl<'a> Cursor<'a> {
     fn tokens(&mut self) -> Result<Vec<u32>, WireError> {
         let n = self.array_len()?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            // The common case first: a positive fixint or a u8/u16/u32.
-            let b = *self.buf.first().ok_or(WireError::Truncated)?;
-            let id = if b < 0x80 {
-                self.buf = &self.buf[1..];
-                u32::from(b)
-            } else {
-                u32::try_from(self.uint("token id")?)
-                    .map_err(|_| WireError::Unexpected("token id"))?
+        // The hot loop of ingest. Token ids are positive fixints, u8, u16 or u32 (vocabularies
+        // are far below 2^32), mixed at random: a branch per encoding would be mispredicted
+        // about every other token. So while 8 bytes remain, one big-endian load gives every
+        // candidate value and a table gives the encoding: no data-dependent branch. Anything
+        // else (and the last few bytes) goes through the general integer reader.
+        let mut buf = self.buf;
+        let mut left = n;
+        while left > 0 {
+            let Some(word) = buf.first_chunk::<8>() else {
+                break;
             };
+            let w = u64::from_be_bytes(*word);
+            let kind = TOKEN_KIND[(w >> 56) as usize] as usize;
+            if kind >= 4 {
+                break;
+            }
+            let values = [
+                w >> 56,
+                (w >> 48) & 0xff,
+                (w >> 40) & 0xffff,
+                (w >> 24) & 0xffff_ffff,
+            ];
+            out.push(values[kind] as u32);
+            buf = &buf[TOKEN_LEN[kind]..];
+            left -= 1;
+        }
+        self.buf = buf;
+        for _ in 0..left {
+            let id = u32::try_from(self.uint("token id")?)
+                .map_err(|_| WireError::Unexpected("token id"))?;
             out.push(id);
         }
         Ok(out)
     }
 
     fn medium(&mut self) -> Result<Medium, WireError> {
-        Ok(self
-            .name("medium")?
-            .map_or(Medium::Gpu, |m| Medium::from_name(&m)))
+        if self.peek_nil() {
+            self.buf = &self.buf[1..];
+            return Ok(Medium::Gpu);
+        }
+        let m = self.str("medium")?;
+        if m.len() > MAX_NAME {
+            return Err(WireError::TooLong("medium"));
+        }
+        Ok(Medium::from_name(m))
+    }
+
+    /// A map key or tag: a msgpack string, compared as bytes (no UTF-8 check: only known
+    /// ASCII names are acted on).
+    fn key(&mut self, what: &'static str) -> Result<&'a [u8], WireError> {
+        let m = self.marker()?;
+        if !matches!(
+            m,
+            Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32
+        ) {
+            return Err(WireError::Unexpected(what));
+        }
+        self.bytes_of(m)?.ok_or(WireError::Unexpected(what))
     }
 
     /// `extra_keys`: nil, or an array with per block nil or an array of keys. Strings (at any
@@ -353,14 +409,26 @@ impl<'a> Cursor<'a> {
             return Ok(Vec::new());
         }
         let n = self.array_len()?;
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
+        // vLLM sends one nil per block when there are no keys: allocate only once a block has
+        // some.
+        let mut out: Vec<Vec<String>> = Vec::new();
+        for i in 0..n {
+            if self.peek_nil() {
+                self.buf = &self.buf[1..];
+                continue;
+            }
             let mut keys = Vec::new();
             self.collect_strings(1, &mut keys)?;
-            out.push(keys);
+            if !keys.is_empty() {
+                if out.is_empty() {
+                    out.reserve_exact(n);
+                }
+                out.resize_with(i, Vec::new);
+                out.push(keys);
+            }
         }
-        if out.iter().all(Vec::is_empty) {
-            out.clear();
+        if !out.is_empty() {
+            out.resize_with(n, Vec::new);
         }
         Ok(out)
     }
@@ -454,16 +522,16 @@ impl<'a> Cursor<'a> {
 
     /// vLLM 0.32: a map with a `"type"` key (first, as msgspec writes it, but any order works).
     fn tagged(&mut self, n: usize) -> Result<Event, WireError> {
-        let mut kind: Option<&str> = None;
+        let mut kind: Option<&[u8]> = None;
         let mut stored = Stored::default();
         let mut hashes = Vec::new();
         let mut medium = Medium::Gpu;
         for _ in 0..n {
-            let key = self.str("event key")?;
+            let key = self.key("event key")?;
             match key {
-                "type" => kind = Some(self.str("event type")?),
-                "block_hashes" => hashes = self.hashes()?,
-                "parent_block_hash" => {
+                b"type" => kind = Some(self.key("event type")?),
+                b"block_hashes" => hashes = self.hashes()?,
+                b"parent_block_hash" => {
                     stored.parent = if self.peek_nil() {
                         self.buf = &self.buf[1..];
                         None
@@ -471,28 +539,28 @@ impl<'a> Cursor<'a> {
                         Some(self.hash()?)
                     }
                 }
-                "token_ids" => stored.token_ids = self.tokens()?,
-                "block_size" => {
+                b"token_ids" => stored.token_ids = self.tokens()?,
+                b"block_size" => {
                     stored.block_size = u32::try_from(self.uint("block_size")?)
                         .map_err(|_| WireError::Unexpected("block_size"))?
                 }
-                "lora_name" => stored.lora_name = self.name("lora_name")?,
-                "medium" => medium = self.medium()?,
-                "extra_keys" => stored.extra_keys = self.extra_keys()?,
+                b"lora_name" => stored.lora_name = self.name("lora_name")?,
+                b"medium" => medium = self.medium()?,
+                b"extra_keys" => stored.extra_keys = self.extra_keys()?,
                 _ => self.skip(1)?,
             }
         }
         Ok(match kind {
-            Some("BlockStored") => {
+            Some(b"BlockStored") => {
                 stored.block_hashes = hashes;
                 stored.medium = medium;
                 Event::Stored(stored)
             }
-            Some("BlockRemoved") => Event::Removed {
+            Some(b"BlockRemoved") => Event::Removed {
                 block_hashes: hashes,
                 medium,
             },
-            Some("AllBlocksCleared") => Event::AllCleared,
+            Some(b"AllBlocksCleared") => Event::AllCleared,
             Some(_) => Event::Unknown,
             None => return Err(WireError::Unexpected("event without type")),
         })

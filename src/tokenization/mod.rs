@@ -105,6 +105,27 @@ impl Tokenizers {
             .or(self.default.as_ref())
     }
 
+    /// [`Tokenizers::fill`], but only when `useful()` says the ids can be used: the front door
+    /// passes "some backend's KV-event stream is live" (precise scoring is the only reader of
+    /// the ids). Otherwise the request is counted in `inferlb_tokenize_skipped_total{reason =
+    /// "no_live_stream"}` and routed without tokens. `useful` is called only for a request
+    /// that would be tokenized (its model has a tokenizer), so a fleet without a tokenizer
+    /// pays nothing.
+    pub fn fill_if(&self, view: &mut RequestView, body: &[u8], useful: impl FnOnce() -> bool) {
+        if self.is_empty()
+            || view.operation == Operation::Other
+            || self.for_model(view.model.as_deref()).is_none()
+        {
+            return;
+        }
+        if !useful() {
+            metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => "no_live_stream")
+                .increment(1);
+            return;
+        }
+        self.fill(view, body);
+    }
+
     /// Fill `view.tokens` for a chat or text-completions request whose model has a tokenizer,
     /// and the `cache_salt` of any request that has tokens.
     pub fn fill(&self, view: &mut RequestView, body: &[u8]) {

@@ -161,3 +161,29 @@ fn in_flight_blocks_count_briefly_and_silence_is_noticed() {
     s.note_sent(&c, 0, 2_000, 50);
     assert_eq!((s.status(9_000), s.matched(&c, 2_000)), (Status::Off, 0));
 }
+
+#[test]
+fn stores_share_the_fleet_index_and_a_dropped_store_leaves_nothing() {
+    // Tokens no other test uses: the fleet index is shared by the whole process.
+    let (a, b) = (live(), live());
+    a.apply(0, &[stored(&[10, 11, 12], None, 5000..5012, 4)], 0);
+    b.apply(0, &[stored(&[20], None, 5000..5004, 4)], 0);
+    let c = chain(5000..5016, 4);
+    // One decision asks both in turn: the second answer comes from the same walk.
+    assert_eq!((a.matched(&c, 0), b.matched(&c, 0)), (3, 1));
+    b.apply(1, &[stored(&[21, 22, 23], Some(20), 5004..5016, 4)], 0);
+    assert_eq!(
+        (a.matched(&c, 0), b.matched(&c, 0)),
+        (3, 4),
+        "a write is seen"
+    );
+    let slot = *a.slot.get().unwrap();
+    drop(a);
+    let guard = Guard::new();
+    // Even if another test took the slot again, it cannot hold these blocks.
+    assert!(
+        c[..3].iter().all(|h| !fleet().holds(*h, slot, &guard)),
+        "a dropped store's bits are cleared"
+    );
+    assert_eq!(b.matched(&c, 0), 4);
+}
