@@ -8,6 +8,10 @@
 //! whole prompt), moves from prefill to decode when the first byte of the response arrives,
 //! and is released when the response ends, fails or is abandoned (dropped). Counters saturate
 //! instead of wrapping, and a charge releases exactly what it added.
+//!
+//! The first byte is the first token only for streamed responses: a non-streaming answer
+//! arrives whole at the end, so its prompt counts as prefill for the request's whole life (an
+//! overestimate of that backend's queue, by the decode time of such requests).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

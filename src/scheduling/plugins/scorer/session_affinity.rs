@@ -6,7 +6,10 @@
 //!
 //! A candidate is *overloaded* when (consistent hashing with bounded loads)
 //! `inflight ≥ ⌈load_factor × (Σ inflight + 1) / candidates⌉` over the candidates' router
-//! in-flight counts, or when its last fresh scrape shows `waiting > max_waiting`.
+//! in-flight counts and `inflight ≥ min_inflight` (default 8: at a few requests the bound
+//! would move sessions, and their cached prefixes, for a difference an engine's batch does not
+//! feel — measured on loadgen's multi-turn workload), or when its last fresh scrape shows
+//! `waiting > max_waiting`.
 //!
 //! The session's *home* is:
 //! 1. the backend it was last sent to (a bounded table of `max_sessions` entries, each
@@ -38,6 +41,7 @@ use crate::scheduling::plugins::{identity, parameters};
 #[serde(deny_unknown_fields, default)]
 struct Params {
     load_factor: f64,
+    min_inflight: u64,
     max_waiting: f64,
     max_sessions: u64,
     idle_timeout_ms: u64,
@@ -47,6 +51,7 @@ impl Default for Params {
     fn default() -> Self {
         Params {
             load_factor: 1.25,
+            min_inflight: 8,
             max_waiting: 16.0,
             max_sessions: 100_000,
             idle_timeout_ms: 1_800_000,
@@ -57,6 +62,7 @@ impl Default for Params {
 pub struct SessionAffinityScorer {
     name: Arc<str>,
     load_factor: f64,
+    min_inflight: u64,
     max_waiting: f64,
     /// session hash → uid of the backend it was last sent to.
     homes: moka::sync::Cache<u64, usize>,
@@ -83,6 +89,7 @@ impl SessionAffinityScorer {
         Ok(SessionAffinityScorer {
             name: name.into(),
             load_factor: p.load_factor,
+            min_inflight: p.min_inflight,
             max_waiting: p.max_waiting,
             homes: moka::sync::Cache::builder()
                 .max_capacity(p.max_sessions)
@@ -102,7 +109,7 @@ impl SessionAffinityScorer {
         candidates
             .iter()
             .map(|c| {
-                c.inflight as f64 >= cap
+                (c.inflight >= self.min_inflight && c.inflight as f64 >= cap)
                     || c.metrics()
                         .and_then(|m| m.waiting)
                         .is_some_and(|w| w > self.max_waiting)
@@ -236,9 +243,15 @@ mod tests {
         let session = 42;
         let home = hrw(&b, session, &[0, 1, 2]);
         s.after_pick(&view(Some(session)), &CycleState::default(), &b[home]);
-        // Home holds 6 of 6 in flight: cap = ceil(1.25 × 7 / 3) = 3, so it is overloaded.
+        // Home holds 7 of 7 in flight: above cap = ceil(1.25 × 8 / 3) = 4, but below
+        // min_inflight = 8, so the session stays.
+        let few: Vec<_> = (0..3)
+            .map(|i| Candidate::with_metrics(&b[i], None, if i == home { 7 } else { 0 }))
+            .collect();
+        assert_eq!(scores(&s, &view(Some(session)), &few), one_hot(home, 3));
+        // Home holds 12 of 12: cap = ceil(1.25 × 13 / 3) = 6 and 12 ≥ 8, so it is overloaded.
         let busy: Vec<_> = (0..3)
-            .map(|i| Candidate::with_metrics(&b[i], None, if i == home { 6 } else { 0 }))
+            .map(|i| Candidate::with_metrics(&b[i], None, if i == home { 12 } else { 0 }))
             .collect();
         let rest: Vec<usize> = (0..3).filter(|i| *i != home).collect();
         let second = hrw(&b, session, &rest);
