@@ -87,7 +87,7 @@ async fn decisions_json_lists_every_candidate_score_and_the_winner() {
         scorers,
         [
             "prefix-cache-scorer",
-            "inflight-scorer",
+            "prefill-cost-scorer",
             "kv-cache-utilization-scorer"
         ]
     );
@@ -184,7 +184,7 @@ async fn explain_header_only_when_enabled_or_for_admin_token_holders() {
     assert!(summary.contains("decisions=1"), "{summary}");
     for name in [
         "prefix-cache-scorer=",
-        "inflight-scorer=",
+        "prefill-cost-scorer=",
         "kv-cache-utilization-scorer=",
     ] {
         assert_eq!(

@@ -18,7 +18,7 @@ use super::plugins::filter::{
 };
 use super::plugins::picker::max_score::MaxScorePicker;
 use super::plugins::scorer::{
-    inflight::InflightScorer, kv_cache_utilization::KvCacheUtilizationScorer,
+    kv_cache_utilization::KvCacheUtilizationScorer, prefill_cost::PrefillCostScorer,
     prefix_cache::PrefixCacheScorer,
 };
 use super::registry::{build, PluginInstance};
@@ -27,18 +27,23 @@ use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
 
 /// The profile used when the config defines none, tuned with `loadgen compare` (see
-/// `bench/results/tuning-*.md`): a saturation filter that takes a backend with more than 16
-/// waiting requests out of the running (unless all are), then prefix affinity 2, the router's
-/// own in-flight count 1, KV-cache utilisation 1. The queue scorer is left out: its min–max
-/// normalisation turns a difference of one or two waiting requests into a full-range swing,
-/// which under load kept pulling requests away from the backend holding their prefix (TTFT p90
-/// 3–10× worse on the shared-prefix benchmark); the filter keeps the queue's useful part — a
-/// backend with a long queue stops attracting its prefixes. KV utilisation stays as the
+/// `bench/results/tuning-*.md` and `bench/results/scheduling-2026-12-01.md`): a saturation
+/// filter that takes a backend with more than 16 waiting requests out of the running (unless
+/// all are), then prefix affinity 2, prefill cost 1, KV-cache utilisation 1. The prefill-cost
+/// scorer replaced the router's in-flight count on 2026-12-01: in one unit (prompt tokens to
+/// prefill) it weighs this request's uncached prompt against the prefill already queued on
+/// each backend, so a hot prefix spills to a second backend once its holder's queue outgrows
+/// it; medians of three runs beat the in-flight scorer on shared-prefix (uniform and Zipf),
+/// unique and multi-turn workloads. The queue scorer is left out: its min–max normalisation
+/// turns a difference of one or two waiting requests into a full-range swing, which under
+/// load kept pulling requests away from the backend holding their prefix (TTFT p90 3–10×
+/// worse on the shared-prefix benchmark); the filter keeps the queue's useful part — a backend
+/// with a long queue stops attracting its prefixes. KV utilisation stays as the
 /// backend-reported signal that other routers' traffic also shows up in.
 pub const DEFAULT_PROFILE: &[(&str, Option<f64>)] = &[
     (SaturationFilter::TYPE, None),
     (PrefixCacheScorer::TYPE, Some(2.0)),
-    (InflightScorer::TYPE, Some(1.0)),
+    (PrefillCostScorer::TYPE, Some(1.0)),
     (KvCacheUtilizationScorer::TYPE, Some(1.0)),
     (MaxScorePicker::TYPE, None),
 ];

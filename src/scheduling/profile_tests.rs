@@ -22,7 +22,7 @@ fn default_profile_when_none_configured() {
     assert_eq!(
         p.describe(),
         "default: healthy-filter → model-filter → saturation-filter → prefix-cache-scorer×2 → \
-         inflight-scorer×1 → kv-cache-utilization-scorer×1 → max-score-picker"
+         prefill-cost-scorer×1 → kv-cache-utilization-scorer×1 → max-score-picker"
     );
 }
 
