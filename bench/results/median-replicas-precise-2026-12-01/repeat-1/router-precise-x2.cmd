@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 46749 http://127.0.0.1:34867 http://127.0.0.1:38097 http://127.0.0.1:38129 http://127.0.0.1:38955
