@@ -149,9 +149,7 @@ fn router_with(
     name: &str,
     backends: &[(&FakeBackend, u16, Option<u16>)],
 ) -> Running {
-    let mut text = String::from(
-        "[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 600\ninflight_ms = 300\n\n",
-    );
+    let mut text = String::from("[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 600\n\n");
     for (b, port, replay) in backends {
         text.push_str(&format!(
             "[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\nkv_events = \"tcp://127.0.0.1:{port}\"\n",

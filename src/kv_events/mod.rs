@@ -54,8 +54,6 @@ pub struct KvEventsConfig {
     /// A stream that stays quiet this long after a request that should have stored blocks is
     /// `silent`: that backend is scored by the approximate index until events flow again.
     pub quiet_ms: u64,
-    /// Blocks sent to a backend count as held this long before its events confirm them.
-    pub inflight_ms: u64,
     /// How long a replay may take before the gap is given up (the backend becomes `unsure`).
     pub replay_timeout_ms: u64,
     /// Largest message accepted (bytes); larger ones are dropped and counted as errors.
@@ -69,7 +67,6 @@ impl Default for KvEventsConfig {
             replay: "auto".into(),
             topic: String::new(),
             quiet_ms: 10_000,
-            inflight_ms: 2_000,
             replay_timeout_ms: 2_000,
             max_message_bytes: 64 << 20,
         }
@@ -83,7 +80,6 @@ impl KvEventsConfig {
         Rule::parse(&self.replay, true).map_err(|m| ConfigError::invalid("kv_events.replay", m))?;
         for (field, v) in [
             ("kv_events.quiet_ms", self.quiet_ms),
-            ("kv_events.inflight_ms", self.inflight_ms),
             ("kv_events.replay_timeout_ms", self.replay_timeout_ms),
         ] {
             if v == 0 {

@@ -47,7 +47,7 @@
 //! in the same formula as above, so precise and approximate candidates compare on one scale
 //! in a mixed fleet (the approximate index keeps recording every pick, so a backend whose
 //! stream falls silent or unsure is scored by it at once). Blocks just sent to a backend count
-//! as held there for `kv_events.inflight_ms`, so a burst of requests with the same new prefix
+//! as held there for the scorer's `inflight_ms`, so a burst of requests with the same new prefix
 //! is not sprayed across the fleet before the first event arrives.
 //!
 //! One scorer rather than a second `precise-prefix-cache-scorer`: the choice between the two
