@@ -137,7 +137,7 @@ async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_
     let admin = admin_view(&router).await;
     let (prefill, decode) = sent(&admin, &holder_url);
     assert!(
-        prefill >= 1_600 && prefill <= 2_400 && decode == 0,
+        (1_600..=2_400).contains(&prefill) && decode == 0,
         "holder's sent work {prefill}/{decode}"
     );
     let (prefill, decode) = sent(&admin, &other.url());
