@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 36519 http://127.0.0.1:33597 http://127.0.0.1:46629 http://127.0.0.1:46031 http://127.0.0.1:40719

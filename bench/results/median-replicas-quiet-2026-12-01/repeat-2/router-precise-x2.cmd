@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 34535 http://127.0.0.1:42227 http://127.0.0.1:39235 http://127.0.0.1:41233 http://127.0.0.1:42447

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 33641 http://127.0.0.1:43653 http://127.0.0.1:40279 http://127.0.0.1:32955 http://127.0.0.1:38691
