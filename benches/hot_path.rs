@@ -10,6 +10,8 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod support;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
@@ -466,48 +468,11 @@ fn precise_decision(c: &mut Criterion) {
     g.finish();
 }
 
-/// Prose-like text of about `chars` characters for the tokenizer benches (a fixed vocabulary,
-/// newlines now and then; `seed` changes it from the first word).
+/// Prose-like text of exactly `chars` characters for the tokenizer benches.
 fn chat_text(chars: usize, seed: u64) -> String {
-    const WORDS: &[&str] = &[
-        "the",
-        "model",
-        "cache",
-        "prefix",
-        "token",
-        "request",
-        "server",
-        "router",
-        "load",
-        "balance",
-        "hello",
-        "world",
-        "system",
-        "user",
-        "assistant",
-        "question",
-        "answer",
-        "number",
-        "water",
-    ];
-    let mut s = String::with_capacity(chars + 16);
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while s.len() < chars {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        s.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
-        s.push(if x % 11 == 0 { '\n' } else { ' ' });
-    }
+    let mut s = support::prose(chars, seed);
     s.truncate(chars);
     s
-}
-
-fn chat_body(system: &str, user: &str) -> Vec<u8> {
-    serde_json::json!({"model": "m", "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": user}]})
-    .to_string()
-    .into_bytes()
 }
 
 /// The aim: a full precise decision for a 32k-character chat prompt at 64 backends,
@@ -538,7 +503,7 @@ fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::
             let tokenizers = load(cache);
             let (scheduler, _) = fleet(64, 1, 1_000);
             // The system prompt's ids, as the backends' events report them.
-            let probe = chat_body(&system, "x");
+            let probe = support::chat_body(&system, "x");
             let mut v = RequestView::parse(Operation::ChatCompletions, &probe).unwrap();
             tokenizers.fill(&mut v, &probe);
             let ids = v.tokens.as_ref().unwrap().ids.clone();
@@ -562,14 +527,14 @@ fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::
             }
             let mut n = 0u64;
             // Warm the prefix cache with the system prompt.
-            let warmup = chat_body(&system, &chat_text(user_chars, 999));
+            let warmup = support::chat_body(&system, &chat_text(user_chars, 999));
             let mut v = RequestView::parse(Operation::ChatCompletions, &warmup).unwrap();
             tokenizers.fill(&mut v, &warmup);
             g.bench_function(BenchmarkId::new(format!("{name}_{mode}"), 64), |b| {
                 b.iter_batched(
                     || {
                         n += 1;
-                        chat_body(&system, &chat_text(user_chars, n + 2))
+                        support::chat_body(&system, &chat_text(user_chars, n + 2))
                     },
                     |body| {
                         let mut view =

@@ -12,54 +12,14 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod support;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use inferlb::config::TokenizationConfig;
 use inferlb::prompt::{Operation, RequestView};
 use inferlb::tokenization::Tokenizers;
-
-const WORDS: &[&str] = &[
-    "the",
-    "model",
-    "cache",
-    "prefix",
-    "token",
-    "request",
-    "server",
-    "router",
-    "load",
-    "balance",
-    "hello",
-    "world",
-    "system",
-    "user",
-    "assistant",
-    "question",
-    "answer",
-    "number",
-    "water",
-];
-
-fn text(chars: usize, seed: u64) -> String {
-    let mut s = String::with_capacity(chars + 16);
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while s.len() < chars {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        s.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
-        s.push(if x % 11 == 0 { '\n' } else { ' ' });
-    }
-    s
-}
-
-fn body(system: &str, user: &str) -> Vec<u8> {
-    serde_json::json!({"model": "m", "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": user}]})
-    .to_string()
-    .into_bytes()
-}
 
 fn load(cache_tokens: u64) -> Tokenizers {
     let cfg = TokenizationConfig {
@@ -93,8 +53,9 @@ fn completions(c: &mut Criterion) {
                 b.iter_batched(
                     || {
                         // 90 % the same text, the end new each time.
-                        let head = text(chars * 9 / 10, 1);
-                        let tail = text(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2);
+                        let head = support::prose(chars * 9 / 10, 1);
+                        let tail =
+                            support::prose(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2);
                         serde_json::json!({"model": "m", "prompt": head + &tail})
                             .to_string()
                             .into_bytes()
@@ -117,14 +78,14 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("tokenize_chat");
     for chars in [1_000usize, 8_000, 32_000] {
         // 90 % system prompt, 10 % user message: the shape of a repeated-system-prompt workload.
-        let system = text(chars * 9 / 10, 1);
+        let system = support::prose(chars * 9 / 10, 1);
         let counter = AtomicU64::new(0);
         g.bench_with_input(BenchmarkId::new("cold", chars), &chars, |b, &chars| {
             b.iter_batched(
                 || {
-                    body(
+                    support::chat_body(
                         &system,
-                        &text(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2),
+                        &support::prose(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2),
                     )
                 },
                 |req| cold.chat_ids(&req),
@@ -134,9 +95,9 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("warm", chars), &chars, |b, &chars| {
             b.iter_batched(
                 || {
-                    body(
+                    support::chat_body(
                         &system,
-                        &text(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2),
+                        &support::prose(chars / 10, counter.fetch_add(1, Ordering::Relaxed) + 2),
                     )
                 },
                 |req| warm.chat_ids(&req),

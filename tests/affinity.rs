@@ -6,38 +6,9 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{client, config, start_router, until_backends_json, FakeBackend, TestRouter};
+use common::{client, config, profile, start_router, until_backends_json, FakeBackend, TestRouter};
 use futures_util::StreamExt;
-use inferlb::config::{BackendConfig, Config, PluginSpec, ProfilePluginRef, ProfileSpec};
-
-/// A profile of `scorers` (type, weight) and the max-score picker.
-fn profile(cfg: &mut Config, scorers: &[(&str, f64)]) {
-    let mut refs = Vec::new();
-    for (kind, weight) in scorers {
-        cfg.plugins.push(PluginSpec {
-            kind: (*kind).into(),
-            name: None,
-            parameters: toml::Table::new(),
-        });
-        refs.push(ProfilePluginRef {
-            plugin_ref: (*kind).into(),
-            weight: Some(*weight),
-        });
-    }
-    cfg.plugins.push(PluginSpec {
-        kind: "max-score-picker".into(),
-        name: None,
-        parameters: toml::Table::new(),
-    });
-    refs.push(ProfilePluginRef {
-        plugin_ref: "max-score-picker".into(),
-        weight: None,
-    });
-    cfg.scheduling_profiles = vec![ProfileSpec {
-        name: "p".into(),
-        plugins: refs,
-    }];
-}
+use inferlb::config::{BackendConfig, Config};
 
 async fn send(router: &TestRouter, headers: &[(&str, &str)], body: serde_json::Value) -> String {
     let mut req = client()

@@ -5,8 +5,7 @@
 
 mod common;
 
-use common::{admin_view, client, config, start_router, until_backends_json, FakeBackend};
-use inferlb::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
+use common::{admin_view, client, config, profile, start_router, until_backends_json, FakeBackend};
 
 /// 1,600 tokens of shared system prompt (6,400 characters, 4 per token).
 fn system() -> String {
@@ -46,34 +45,14 @@ async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_
         FakeBackend::start("b", &["m"]).await,
     ];
     let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    let mut parameters = toml::Table::new();
+    profile(&mut cfg, &[("prefill-cost-scorer", 1.0)]);
+    let scorer = cfg
+        .plugins
+        .iter_mut()
+        .find(|p| p.kind == "prefill-cost-scorer");
+    let parameters = &mut scorer.unwrap().parameters;
     parameters.insert("decode_weight".into(), toml::Value::Float(0.0));
     parameters.insert("smoothing".into(), toml::Value::Float(1.0));
-    cfg.plugins = vec![
-        PluginSpec {
-            kind: "prefill-cost-scorer".into(),
-            name: None,
-            parameters,
-        },
-        PluginSpec {
-            kind: "max-score-picker".into(),
-            name: None,
-            parameters: toml::Table::new(),
-        },
-    ];
-    cfg.scheduling_profiles = vec![ProfileSpec {
-        name: "p".into(),
-        plugins: vec![
-            ProfilePluginRef {
-                plugin_ref: "prefill-cost-scorer".into(),
-                weight: Some(1.0),
-            },
-            ProfilePluginRef {
-                plugin_ref: "max-score-picker".into(),
-                weight: None,
-            },
-        ],
-    }];
     let router = start_router(cfg).await;
     until_backends_json(&router, |v| {
         v["backends"]

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use inferlb::config::{BackendConfig, Config};
+use inferlb::config::{BackendConfig, Config, PluginSpec, ProfilePluginRef, ProfileSpec};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch, Notify};
 
@@ -539,4 +539,33 @@ pub async fn until_backends_json(router: &TestRouter, pred: impl Fn(&serde_json:
         );
         tick.tick().await;
     }
+}
+
+/// A profile of `scorers` (type, weight) and the max-score picker.
+pub fn profile(cfg: &mut Config, scorers: &[(&str, f64)]) {
+    let mut refs = Vec::new();
+    for (kind, weight) in scorers {
+        cfg.plugins.push(PluginSpec {
+            kind: (*kind).into(),
+            name: None,
+            parameters: toml::Table::new(),
+        });
+        refs.push(ProfilePluginRef {
+            plugin_ref: (*kind).into(),
+            weight: Some(*weight),
+        });
+    }
+    cfg.plugins.push(PluginSpec {
+        kind: "max-score-picker".into(),
+        name: None,
+        parameters: toml::Table::new(),
+    });
+    refs.push(ProfilePluginRef {
+        plugin_ref: "max-score-picker".into(),
+        weight: None,
+    });
+    cfg.scheduling_profiles = vec![ProfileSpec {
+        name: "p".into(),
+        plugins: refs,
+    }];
 }
