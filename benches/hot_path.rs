@@ -344,6 +344,7 @@ fn kv_ingest(c: &mut Criterion) {
         let messages: Vec<Vec<u8>> = (0..64).map(|m| stored_batch(32, 16, bs, m)).collect();
         let store = BlockStore::default();
         store.turn_on(10_000, "bench".into());
+        store.set_connected(true);
         store.set_gpu_blocks(Some(100_000));
         let mut seq = 0u64;
         g.throughput(Throughput::Elements(32 * 16));
@@ -362,6 +363,7 @@ fn kv_ingest(c: &mut Criterion) {
         let (messages, per_message) = vllm_steps(256, bs);
         let store = BlockStore::default();
         store.turn_on(10_000, "bench".into());
+        store.set_connected(true);
         store.set_gpu_blocks(Some(20_000));
         for (i, m) in messages.iter().enumerate() {
             store.apply(i as u64, &decode_payload(i as u64, m).unwrap().events, 0);
@@ -398,6 +400,7 @@ fn kv_ingest(c: &mut Criterion) {
             .sum();
         let store = BlockStore::default();
         store.turn_on(10_000, "bench".into());
+        store.set_connected(true);
         store.set_gpu_blocks(Some(64));
         let mut seq = 0u64;
         g.throughput(Throughput::Elements(blocks));
@@ -443,6 +446,7 @@ fn precise_decision(c: &mut Criterion) {
     for (i, b) in scheduler.pool().backends().iter().enumerate() {
         let blocks = (i * 32).min(2_048);
         b.kv().turn_on(3_600_000, "bench".into());
+        b.kv().set_connected(true);
         b.kv().apply(
             0,
             &[Event::Stored(Stored {
@@ -511,6 +515,7 @@ fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::
             for (i, b) in scheduler.pool().backends().iter().enumerate() {
                 let held = blocks * i / 64;
                 b.kv().turn_on(3_600_000, "bench".into());
+                b.kv().set_connected(true);
                 b.kv().apply(
                     0,
                     &[Event::Stored(Stored {

@@ -494,3 +494,98 @@ async fn kv_events_auto_reads_the_backends_kv_event_sources() {
     .await;
     stop(r);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_auto_follows_a_simulator_that_bound_port_0() {
+    // What `loadgen compare --sim-kv-events` runs: the simulator binds `tcp://*:0`, and its
+    // `/kv_event_sources` must keep the wildcard with the port it got, so the router connects.
+    // (Reported as `tcp://127.0.0.1:PORT`, the router would bind that address too, fail with
+    // "address in use" and never see an event.)
+    let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+        port: 0,
+        model: "m".into(),
+        instant: true,
+        block_size: BS,
+        kv_events_config: Some(
+            vllm_sim::KvEventsConfig::parse(
+                r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","topic":"kv@sim"}"#,
+            )
+            .unwrap(),
+        ),
+        ..vllm_sim::SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempdir("sim0");
+    let path = dir.join("sim0.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\n",
+            sim.url()
+        ),
+    )
+    .unwrap();
+    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    let addr = r.addr.clone();
+    until_healthy(&addr, 1).await;
+    until_kv(&addr, &sim.url(), |k| k["status"] == "live").await;
+    // A PUB socket drops what it sends before the subscription reaches it: send until the
+    // router has applied a stored block (bounded).
+    let tokens: Vec<u32> = (1..=(4 * BS) as u32).collect();
+    for _ in 0..100 {
+        route(&addr, &tokens).await;
+        if kv(&admin_at(&addr).await, &sim.url())["blocks_stored"]
+            .as_u64()
+            .is_some_and(|n| n >= 4)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    until_kv(&addr, &sim.url(), |k| {
+        k["status"] == "live" && k["blocks"].as_u64().is_some_and(|n| n >= 4)
+    })
+    .await;
+    stop(r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_socket_cannot_open_is_broken_not_live() {
+    // The backend names an endpoint without a wildcard (vLLM's rule: the publisher connects,
+    // the subscriber binds) on a port someone else holds: the router cannot bind it.
+    let a = FakeBackend::start("a", &["m"]).await;
+    let squatter = Publisher::bind(0).await;
+    *a.state.kv_sources.lock().unwrap() = Some(format!(
+        r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:{}","replay_endpoint":"","topic":"kv@test"}}}}"#,
+        squatter.port
+    ));
+    let dir = tempdir("broken");
+    let path = dir.join("broken.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\n",
+            a.url()
+        ),
+    )
+    .unwrap();
+    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    let addr = r.addr.clone();
+    until_healthy(&addr, 1).await;
+    until_kv(&addr, &a.url(), |k| k["status"] == "broken").await;
+    let m = metrics_at(&addr).await;
+    assert!(
+        m.contains("inferlb_kv_event_streams{state=\"broken\"} 1"),
+        "{m}"
+    );
+    // It stays broken (retried with back-off), never reported live while the socket is shut.
+    for _ in 0..10 {
+        assert_eq!(kv(&admin_at(&addr).await, &a.url())["status"], "broken");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Once the port is free, the router binds it and the stream is live.
+    drop(squatter);
+    until_kv(&addr, &a.url(), |k| k["status"] == "live").await;
+    stop(r);
+}

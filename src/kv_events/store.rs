@@ -61,6 +61,9 @@ pub enum Status {
     /// Requests were sent that should have produced events, and none came within the quiet
     /// time: approximate until events flow again.
     Silent,
+    /// The stream is configured but its socket could not be opened (publisher unreachable,
+    /// address in use) or failed: approximate until the subscriber reopens it.
+    Broken,
 }
 
 impl Status {
@@ -70,10 +73,17 @@ impl Status {
             Status::Live => "live",
             Status::Unsure => "unsure",
             Status::Silent => "silent",
+            Status::Broken => "broken",
         }
     }
 
-    pub const ALL: [Status; 4] = [Status::Off, Status::Live, Status::Unsure, Status::Silent];
+    pub const ALL: [Status; 5] = [
+        Status::Off,
+        Status::Live,
+        Status::Unsure,
+        Status::Silent,
+        Status::Broken,
+    ];
 }
 
 const OFF: u8 = 0;
@@ -188,13 +198,18 @@ impl BlockStore {
     }
 
     /// The stream is configured from now on; silence beyond `quiet_ms` after a request counts.
+    /// It is `broken` until [`BlockStore::set_connected`] says its socket is open.
     pub fn turn_on(&self, quiet_ms: u64, endpoint: String) {
         self.quiet_ms.store(quiet_ms.max(1), Ordering::Relaxed);
         *self.endpoint.lock().unwrap_or_else(PoisonError::into_inner) = Some(endpoint);
         let _ = self
             .status
             .compare_exchange(OFF, LIVE, Ordering::AcqRel, Ordering::Relaxed);
-        self.connected.store(true, Ordering::Relaxed);
+    }
+
+    /// The subscriber opened its socket (`true`) or lost it (`false`).
+    pub fn set_connected(&self, open: bool) {
+        self.connected.store(open, Ordering::Release);
     }
 
     /// The subscriber stopped: back to approximate, nothing held.
@@ -208,6 +223,7 @@ impl BlockStore {
     pub fn status(&self, now: u64) -> Status {
         let base = match self.status.load(Ordering::Acquire) {
             OFF => return Status::Off,
+            _ if !self.connected.load(Ordering::Acquire) => return Status::Broken,
             UNSURE => Status::Unsure,
             _ => Status::Live,
         };

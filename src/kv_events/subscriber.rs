@@ -128,6 +128,7 @@ impl Subscribers {
             match self.follow(&backend, &stream, replay.as_ref()).await {
                 Ok(()) => backoff = Duration::from_millis(200),
                 Err(e) => {
+                    store.set_connected(false);
                     tracing::info!(backend = %backend.name, endpoint = %stream.address, error = %e, "KV-event stream interrupted");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -151,6 +152,7 @@ impl Subscribers {
         } else {
             sub.connect(&stream.address).await?;
         }
+        store.set_connected(true);
         tracing::info!(backend = %backend.name, endpoint = %stream.address, bind = stream.bind, "subscribed to KV events");
         let opened = now_ms();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -341,13 +343,14 @@ async fn fetch_sources(backend: &Backend) -> Result<(Endpoint, Option<Endpoint>)
 /// Set `inferlb_kv_streams{state}`: members by stream status (called when metrics render).
 pub fn count_streams(pool: &Pool) {
     let now = now_ms();
-    let mut counts = [0u32; 4];
+    let mut counts = [0u32; Status::ALL.len()];
     for b in pool.backends().iter() {
         let i = match b.kv().status(now) {
             Status::Off => 0,
             Status::Live => 1,
             Status::Unsure => 2,
             Status::Silent => 3,
+            Status::Broken => 4,
         };
         counts[i] = counts[i].saturating_add(1);
     }

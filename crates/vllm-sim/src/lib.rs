@@ -133,6 +133,7 @@ impl Sim {
         });
         let kv_info = publisher.as_ref().map(|p| KvInfo {
             resolved: p.resolved.clone(),
+            dial: p.dial.clone(),
             stats: p.stats.clone(),
         });
         let time_scale = if config.instant {
@@ -181,9 +182,9 @@ impl Sim {
         })
     }
 
-    /// The KV-event PUB endpoint as bound, when events are published.
+    /// The KV-event PUB endpoint as bound (a dialable address), when events are published.
     pub fn kv_events_endpoint(&self) -> Option<String> {
-        self.state.kv.as_ref().map(|k| k.resolved.endpoint.clone())
+        self.state.kv.as_ref().map(|k| k.dial.0.clone())
     }
 
     /// Serves on `listener` (and `admin`, with the admin routes) until `shutdown` completes.
@@ -328,15 +329,12 @@ impl SimHandle {
     /// The KV-event PUB endpoint as bound (`tcp://127.0.0.1:PORT` for `tcp://*:0`), when events
     /// are published.
     pub fn kv_events_endpoint(&self) -> Option<String> {
-        self.state.kv.as_ref().map(|k| k.resolved.endpoint.clone())
+        self.state.kv.as_ref().map(|k| k.dial.0.clone())
     }
 
     /// The KV-event replay (ROUTER) endpoint as bound, when configured.
     pub fn kv_replay_endpoint(&self) -> Option<String> {
-        self.state
-            .kv
-            .as_ref()
-            .and_then(|k| k.resolved.replay_endpoint.clone())
+        self.state.kv.as_ref().and_then(|k| k.dial.1.clone())
     }
 
     /// Counters of the KV-event stream, when events are published.

@@ -52,7 +52,8 @@ async fn block_stored_carries_each_full_block_and_its_token_ids() {
         .map(|t| t as u32)
         .collect();
     assert_eq!(t, longer[2 * BS..3 * BS]);
-    // `/kv_event_sources` names the bound endpoints.
+    // `/kv_event_sources` names the bound ports and keeps the wildcard, as vLLM reports a
+    // publisher that binds (an endpoint without one would tell a subscriber to bind).
     let v: Json = client()
         .get(format!("{}/kv_event_sources", sim.url()))
         .send()
@@ -61,8 +62,15 @@ async fn block_stored_carries_each_full_block_and_its_token_ids() {
         .json()
         .await
         .unwrap();
-    assert_eq!(v["0"]["endpoint"], sim.kv_events_endpoint().unwrap());
-    assert_eq!(v["0"]["replay_endpoint"], sim.kv_replay_endpoint().unwrap());
+    let port = |ep: String| ep.rsplit_once(':').unwrap().1.to_string();
+    assert_eq!(
+        v["0"]["endpoint"],
+        format!("tcp://*:{}", port(sim.kv_events_endpoint().unwrap()))
+    );
+    assert_eq!(
+        v["0"]["replay_endpoint"],
+        format!("tcp://*:{}", port(sim.kv_replay_endpoint().unwrap()))
+    );
     assert_eq!(v["0"]["publisher"], "zmq");
     assert_eq!(v["0"]["topic"], "kv@sim");
     assert_eq!(v["0"]["enable_kv_cache_events"], true);

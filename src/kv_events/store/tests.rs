@@ -31,6 +31,7 @@ fn chain(tokens: std::ops::Range<u32>, bs: usize) -> Vec<u64> {
 fn live() -> BlockStore {
     let s = BlockStore::default();
     s.turn_on(1_000, "tcp://test:1".into());
+    s.set_connected(true);
     s
 }
 

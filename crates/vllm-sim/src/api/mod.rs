@@ -47,6 +47,8 @@ pub struct Inner {
 pub struct KvInfo {
     /// As `/kv_event_sources` reports it.
     pub resolved: KvEventsConfig,
+    /// The PUB and replay addresses as bound (what a subscriber dials).
+    pub dial: (String, Option<String>),
     pub stats: Arc<PubStats>,
 }
 

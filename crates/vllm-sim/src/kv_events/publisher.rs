@@ -122,8 +122,12 @@ pub struct StallPlan {
 /// A started publisher: the sockets are bound, the task is ready to run.
 pub struct Publisher {
     pub tx: mpsc::Sender<PubMsg>,
-    /// The config as `/kv_event_sources` reports it (endpoints as bound).
+    /// The config as `/kv_event_sources` reports it: as configured, port 0 replaced by the
+    /// port bound (the wildcard stays, so a subscriber knows to connect, as from vLLM).
     pub resolved: KvEventsConfig,
+    /// The addresses a subscriber dials (`tcp://127.0.0.1:PORT` for `tcp://*:0`): the PUB
+    /// endpoint and the replay endpoint, as bound.
+    pub dial: (String, Option<String>),
     pub stats: Arc<PubStats>,
     pub task: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
@@ -174,9 +178,7 @@ pub async fn start(
     let mut pub_sock = PubSocket::new();
     let (pub_bind, connect) = if is_bind_endpoint(&cfg.endpoint) {
         let ep = bind_retry(&mut pub_sock, &bind_address(&cfg.endpoint, host)).await?;
-        if cfg.endpoint.ends_with(":0") {
-            resolved.endpoint = ep.to_string();
-        }
+        resolved.endpoint = with_bound_port(&cfg.endpoint, &ep.to_string());
         (Some(ep.to_string()), None)
     } else {
         (None, Some(cfg.endpoint.clone()))
@@ -188,9 +190,7 @@ pub async fn start(
         Some(ep) => {
             let mut router = RouterSocket::new();
             let bound = bind_retry(&mut router, &bind_address(ep, host)).await?;
-            if ep.ends_with(":0") {
-                resolved.replay_endpoint = Some(bound.to_string());
-            }
+            resolved.replay_endpoint = Some(with_bound_port(ep, &bound.to_string()));
             let task = Replay::spawn(router, buffer.clone(), topic.clone(), stats.clone());
             (Some(bound.to_string()), Some(task))
         }
@@ -198,6 +198,10 @@ pub async fn start(
     };
     let (tx, rx) = mpsc::channel(cfg.max_queue_size.clamp(1, MAX_QUEUE));
     let monitor = connect.as_ref().map(|_| monitor_of(&mut pub_sock));
+    let dial = (
+        pub_bind.clone().unwrap_or_else(|| cfg.endpoint.clone()),
+        replay_bind.clone(),
+    );
     let task = Task {
         rx,
         encoder,
@@ -222,9 +226,23 @@ pub async fn start(
     Ok(Publisher {
         tx,
         resolved,
+        dial,
         stats,
         task: Box::pin(task.run()),
     })
+}
+
+/// `configured` with its port replaced by `bound`'s (`tcp://*:0` bound as
+/// `tcp://127.0.0.1:5000` → `tcp://*:5000`). Reporting the bound address itself would drop the
+/// wildcard, and an endpoint without one tells a subscriber (inferlb, by vLLM's rule) that the
+/// publisher connects, so it should bind: both sides would bind and never meet.
+fn with_bound_port(configured: &str, bound: &str) -> String {
+    match (configured.rsplit_once(':'), bound.rsplit_once(':')) {
+        (Some((base, _)), Some((_, port))) if configured.starts_with("tcp://") => {
+            format!("{base}:{port}")
+        }
+        _ => configured.to_string(),
+    }
 }
 
 type Monitor = Pin<Box<dyn Stream<Item = SocketEvent> + Send>>;

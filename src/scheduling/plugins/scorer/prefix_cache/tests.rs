@@ -236,6 +236,7 @@ fn token_view(ids: &[u32]) -> RequestView {
 fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
     use crate::kv_events::wire::{Event, Medium, Stored};
     b.kv().turn_on(60_000, "tcp://test:1".into());
+    b.kv().set_connected(true);
     let n = blocks.min(ids.len() / bs);
     b.kv().apply(
         seq,
@@ -283,6 +284,7 @@ fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
     assert_eq!(scores, vec![0.5, 0.0, 1.0]);
     // A silent stream falls back to the index (which never saw backend 0 get it).
     b[0].kv().turn_on(1, "tcp://test:1".into());
+    b[0].kv().set_connected(true);
     b[0].kv().note_sent(&[42], 0, 0, 1);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores[0], 0.0, "silent: approximate");
