@@ -589,3 +589,58 @@ async fn a_stream_whose_socket_cannot_open_is_broken_not_live() {
     until_kv(&addr, &a.url(), |k| k["status"] == "live").await;
     stop(r);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_evicted_everywhere_returns_to_the_backend_it_was_sent_to() {
+    // Nobody holds the prefix any more (stored, then evicted, events flowing): the room term
+    // alone would move it to the backend the router filled least; the router's memory keeps it
+    // where it went before. With `memory_weight = 0` this sends it to the other backend.
+    let a = FakeBackend::start("a", &["m"]).await;
+    let b = FakeBackend::start("b", &["m"]).await;
+    let mut pa = Publisher::bind(0).await;
+    let mut pb = Publisher::bind(0).await;
+    let dir = tempdir("memory");
+    let mut text = String::from("[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 60000\n\n");
+    for (x, port) in [(&a, pa.port), (&b, pb.port)] {
+        text.push_str(&format!(
+            "[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\nkv_events = \"tcp://127.0.0.1:{port}\"\n\n",
+            x.url()
+        ));
+    }
+    text.push_str(
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\ninflight_ms = 1\n\
+         [[plugins]]\ntype = \"max-score-picker\"\n\
+         [[scheduling_profiles]]\nname = \"p\"\nplugins = [{ plugin_ref = \"prefix-cache-scorer\" }, { plugin_ref = \"max-score-picker\" }]\n",
+    );
+    let path = dir.join("memory.toml");
+    std::fs::write(&path, text).unwrap();
+    let r = spawn_with(&["--config", path.to_str().unwrap()]);
+    let addr = r.addr.clone();
+    until_healthy(&addr, 2).await;
+    pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 1))])
+        .await;
+    pb.hello(&addr, &b.url(), &[stored(1, None, &prompt(91, 1))])
+        .await;
+    for round in 0..3u32 {
+        let p = prompt(10 + round, 4);
+        let first = route(&addr, &p).await;
+        let (held, publisher) = if first == a.url() {
+            (&a, &mut pa)
+        } else {
+            (&b, &mut pb)
+        };
+        // It stores the prompt's 4 blocks, then evicts them.
+        let base = 1_000 * u64::from(round + 1);
+        publisher.send(&[stored(base, None, &p)]).await;
+        until_kv(&addr, &held.url(), |k| k["blocks"] == 5).await;
+        publisher
+            .send(&[removed(&[base, base + 1, base + 2, base + 3])])
+            .await;
+        until_kv(&addr, &held.url(), |k| {
+            k["blocks"] == 1 && k["in_flight_blocks"] == 0 && k["status"] == "live"
+        })
+        .await;
+        assert_eq!(route(&addr, &p).await, first, "round {round}");
+    }
+    stop(r);
+}

@@ -14,6 +14,15 @@ pub struct Running {
     pub logs: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
 }
 
+/// A test that fails before stopping its router must not leave the process running (holding
+/// ports, and whatever file descriptors it inherited).
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Running {
     /// Wait (at most 10 s) for the log line whose message is `message`; earlier lines are
     /// skipped. The log is the process's own account of what it did, so this waits for the
@@ -43,15 +52,14 @@ impl Running {
     }
 
     /// Wait (at most 10 s) for the process to exit.
-    pub async fn exit(self) -> std::process::ExitStatus {
-        let mut child = self.child;
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio::task::spawn_blocking(move || child.wait().unwrap()),
-        )
-        .await
-        .expect("the process did not exit within 10 s")
-        .unwrap()
+    pub async fn exit(mut self) -> std::process::ExitStatus {
+        for _ in 0..1_000 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the process did not exit within 10 s");
     }
 }
 

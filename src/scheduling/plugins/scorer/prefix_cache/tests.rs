@@ -214,6 +214,7 @@ fn bad_parameters_are_rejected_with_their_name() {
         "block_size = 0",
         "length_weight = 2.0",
         "room_weight = 1.5",
+        "memory_weight = -0.1",
         "capacity = 0",
         "capacity = \"lots\"",
         "blocksize = 3",
@@ -301,7 +302,7 @@ fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
         .iter()
         .map(|b| Candidate::with_metrics(b, None, 0))
         .collect();
-    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000");
+    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000\nmemory_weight = 0.0");
     let ids: Vec<u32> = (0..32).collect();
     // Both live, block size known, nothing of this prompt held.
     report(&b[0], &[7; 16], 16, 1, 0);
@@ -316,4 +317,35 @@ fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
     let (scores, _) = score(&s, &token_view(&longer), &c);
     assert_eq!(scores[0], 0.0);
     assert!((scores[1] - 2.0 / 3.0).abs() < 1e-9, "{scores:?}");
+}
+
+#[test]
+fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
+    let b = backends(2);
+    let c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let ids: Vec<u32> = (0..64).collect();
+    let v = token_view(&ids);
+    // Both live with other blocks; nothing of this prompt is held (say, evicted everywhere).
+    report(&b[0], &[7; 16], 16, 1, 0);
+    report(&b[1], &[8; 16], 16, 1, 0);
+    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 1");
+    let off = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 1\nmemory_weight = 0.0");
+    for s in [&s, &off] {
+        let (_, state) = score(s, &v, &c);
+        s.after_pick(&v, &state, &b[1]);
+    }
+    // The in-flight blocks of that pick expire at once (1 ms).
+    b[1].kv()
+        .purge_pending(crate::kv_events::store::now_ms() + 10);
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores, vec![0.0, 1.0], "memory: the backend it was sent to");
+    let (scores, _) = score(&off, &v, &c);
+    assert_eq!(scores, vec![0.0, 0.0], "memory off: the truth alone");
+    // The truth wins over memory: backend 0 now reports holding all of it.
+    report(&b[0], &ids, 16, 4, 1);
+    let (scores, _) = score(&s, &v, &c);
+    assert_eq!(scores, vec![1.0, 0.0]);
 }
