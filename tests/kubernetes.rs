@@ -6,7 +6,6 @@
 mod common;
 mod fake_kube;
 
-use std::process::Child;
 use std::time::Duration;
 
 use common::binary::{spawn_with, Running};
@@ -14,16 +13,10 @@ use fake_kube::{FakeKube, PodServer};
 
 /// The binary, its address, killed when dropped.
 struct Inferlb {
-    child: Child,
+    /// Killed when dropped (`Running`'s own `Drop`).
+    _router: Running,
     addr: String,
     http: reqwest::Client,
-}
-
-impl Drop for Inferlb {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
@@ -49,9 +42,10 @@ fn start(kube: &FakeKube, name: &str, k8s_table: &str, poll_ms: u64) -> Inferlb 
     )
     .unwrap();
     // The shared launcher: JSON logs on a free port, returns once the address is announced.
-    let Running { child, addr, .. } = spawn_with(&["--config", config.to_str().unwrap()]);
+    let router = spawn_with(&["--config", config.to_str().unwrap()]);
+    let addr = router.addr.clone();
     Inferlb {
-        child,
+        _router: router,
         addr,
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(20))

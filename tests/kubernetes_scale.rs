@@ -137,15 +137,9 @@ async fn one_change_at_100_and_1000_pods() {
 
 /// The binary in front of the fake API server; killed when dropped.
 struct Inferlb {
-    child: std::process::Child,
+    /// Killed when dropped (`Running`'s own `Drop`).
+    _router: Running,
     addr: String,
-}
-
-impl Drop for Inferlb {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn start(kube: &FakeKube, port: u16) -> Inferlb {
@@ -166,8 +160,12 @@ fn start(kube: &FakeKube, port: u16) -> Inferlb {
     )
     .unwrap();
     // The shared launcher: JSON logs on a free port, returns once the address is announced.
-    let Running { child, addr, .. } = spawn_with(&["--config", config.to_str().unwrap()]);
-    Inferlb { child, addr }
+    let router = spawn_with(&["--config", config.to_str().unwrap()]);
+    let addr = router.addr.clone();
+    Inferlb {
+        _router: router,
+        addr,
+    }
 }
 
 /// Of the backends of generation `g` (127.g.…): how many are members (listed, not
