@@ -140,14 +140,15 @@ fn removed(hashes: &[u64]) -> Event {
 /// Write a config naming `backends` with their publishers and start the binary with it.
 fn router(dir: &std::path::Path, name: &str, backends: &[(&FakeBackend, u16)]) -> Running {
     let with: Vec<_> = backends.iter().map(|(b, p)| (*b, *p, None)).collect();
-    router_with(dir, name, &with)
+    router_with(dir, name, &with, "")
 }
 
-/// [`router`], with a replay port per backend.
+/// [`router`], with a replay port per backend and `extra` config (plugins, a profile).
 fn router_with(
     dir: &std::path::Path,
     name: &str,
     backends: &[(&FakeBackend, u16, Option<u16>)],
+    extra: &str,
 ) -> Running {
     let mut text = String::from("[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 600\n\n");
     for (b, port, replay) in backends {
@@ -160,6 +161,7 @@ fn router_with(
         }
         text.push('\n');
     }
+    text.push_str(extra);
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
     spawn_with(&["--config", path.to_str().unwrap()])
@@ -220,6 +222,27 @@ async fn until_healthy(router: &str, n: usize) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("backends never healthy");
+}
+
+/// `/kv_event_sources` as vLLM answers it, for a publisher at `endpoint`.
+fn sources(endpoint: &str) -> String {
+    format!(
+        r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{endpoint}","replay_endpoint":"","topic":"kv@test"}}}}"#
+    )
+}
+
+/// The binary with `--kv-events auto` in front of the one backend at `url` (serving `m`),
+/// once that backend is healthy.
+async fn auto_router(name: &str, url: &str) -> Running {
+    let path = tempdir(name).join(format!("{name}.toml"));
+    std::fs::write(
+        &path,
+        format!("[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{url}\"\nmodels = [\"m\"]\n"),
+    )
+    .unwrap();
+    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    until_healthy(&r.addr, 1).await;
+    r
 }
 
 fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
@@ -433,6 +456,7 @@ async fn a_gap_is_replayed_when_possible_and_makes_the_backend_unsure_otherwise(
         &dir,
         "r",
         &[(&a, pa.port, Some(replay)), (&b, pb.port, None)],
+        "",
     );
     let addr = r.addr.clone();
     until_healthy(&addr, 2).await;
@@ -469,23 +493,9 @@ async fn kv_events_auto_reads_the_backends_kv_event_sources() {
     let mut pa = Publisher::bind(0).await;
     // As vLLM answers it: the endpoint with `*` (it binds; the router connects to the
     // backend's host).
-    *a.state.kv_sources.lock().unwrap() = Some(format!(
-        r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{}","replay_endpoint":"","topic":"kv@test"}}}}"#,
-        pa.port
-    ));
-    let dir = tempdir("auto");
-    let path = dir.join("auto.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\n",
-            a.url()
-        ),
-    )
-    .unwrap();
-    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    *a.state.kv_sources.lock().unwrap() = Some(sources(&format!("tcp://*:{}", pa.port)));
+    let r = auto_router("auto", &a.url()).await;
     let addr = r.addr.clone();
-    until_healthy(&addr, 1).await;
     pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 3))])
         .await;
     until_kv(&addr, &a.url(), |k| {
@@ -516,19 +526,8 @@ async fn kv_events_auto_follows_a_simulator_that_bound_port_0() {
     })
     .await
     .unwrap();
-    let dir = tempdir("sim0");
-    let path = dir.join("sim0.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\n",
-            sim.url()
-        ),
-    )
-    .unwrap();
-    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    let r = auto_router("sim0", &sim.url()).await;
     let addr = r.addr.clone();
-    until_healthy(&addr, 1).await;
     until_kv(&addr, &sim.url(), |k| k["status"] == "live").await;
     // A PUB socket drops what it sends before the subscription reaches it: send until the
     // router has applied a stored block (bounded).
@@ -556,23 +555,10 @@ async fn a_stream_whose_socket_cannot_open_is_broken_not_live() {
     // the subscriber binds) on a port someone else holds: the router cannot bind it.
     let a = FakeBackend::start("a", &["m"]).await;
     let squatter = Publisher::bind(0).await;
-    *a.state.kv_sources.lock().unwrap() = Some(format!(
-        r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:{}","replay_endpoint":"","topic":"kv@test"}}}}"#,
-        squatter.port
-    ));
-    let dir = tempdir("broken");
-    let path = dir.join("broken.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[poller]\ninterval_ms = 50\n\n[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\n",
-            a.url()
-        ),
-    )
-    .unwrap();
-    let r = spawn_with(&["--config", path.to_str().unwrap(), "--kv-events", "auto"]);
+    *a.state.kv_sources.lock().unwrap() =
+        Some(sources(&format!("tcp://127.0.0.1:{}", squatter.port)));
+    let r = auto_router("broken", &a.url()).await;
     let addr = r.addr.clone();
-    until_healthy(&addr, 1).await;
     until_kv(&addr, &a.url(), |k| k["status"] == "broken").await;
     let m = metrics_at(&addr).await;
     assert!(
@@ -600,21 +586,14 @@ async fn a_prefix_evicted_everywhere_returns_to_the_backend_it_was_sent_to() {
     let mut pa = Publisher::bind(0).await;
     let mut pb = Publisher::bind(0).await;
     let dir = tempdir("memory");
-    let mut text = String::from("[poller]\ninterval_ms = 50\n\n[kv_events]\nquiet_ms = 60000\n\n");
-    for (x, port) in [(&a, pa.port), (&b, pb.port)] {
-        text.push_str(&format!(
-            "[[backends]]\nurl = \"{}\"\nmodels = [\"m\"]\nkv_events = \"tcp://127.0.0.1:{port}\"\n\n",
-            x.url()
-        ));
-    }
-    text.push_str(
+    let r = router_with(
+        &dir,
+        "memory",
+        &[(&a, pa.port, None), (&b, pb.port, None)],
         "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\ninflight_ms = 1\n\
          [[plugins]]\ntype = \"max-score-picker\"\n\
          [[scheduling_profiles]]\nname = \"p\"\nplugins = [{ plugin_ref = \"prefix-cache-scorer\" }, { plugin_ref = \"max-score-picker\" }]\n",
     );
-    let path = dir.join("memory.toml");
-    std::fs::write(&path, text).unwrap();
-    let r = spawn_with(&["--config", path.to_str().unwrap()]);
     let addr = r.addr.clone();
     until_healthy(&addr, 2).await;
     pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 1))])

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 46349 http://127.0.0.1:42945 http://127.0.0.1:35451 http://127.0.0.1:39375 http://127.0.0.1:37011

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 45997 http://127.0.0.1:36573 http://127.0.0.1:40613 http://127.0.0.1:35621 http://127.0.0.1:43169

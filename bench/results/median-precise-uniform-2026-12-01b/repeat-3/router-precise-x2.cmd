@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 41387 http://127.0.0.1:45665 http://127.0.0.1:45679 http://127.0.0.1:35217 http://127.0.0.1:36275
