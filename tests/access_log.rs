@@ -1,5 +1,6 @@
 //! The access log through the real binary: one JSON line per request under the target
-//! `inferlb::access`, and RUST_LOG-style filtering of that target.
+//! `inferlb::access`, the text layout (plain `key=value`, no escape codes into a pipe), and
+//! RUST_LOG-style filtering of that target.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -142,6 +143,12 @@ async fn one_json_line_per_request_with_its_facts() {
         again["fields"]["prefix_blocks"]
     );
 
+    // A request id with JSON's special characters stays one valid line with the id intact.
+    let odd = r#"req-"quoted"\back\slash"#;
+    let _ = chat(&run.addr, odd, "m").await.bytes().await.unwrap();
+    let quoted = run.next("inferlb::access", "-").await.unwrap();
+    assert_eq!(quoted["fields"]["request_id"], odd);
+
     // A model nobody serves: 404, no backend, and the client's string is not logged as the model.
     let resp = chat(&run.addr, "req-404", "made-up-model-name").await;
     assert_eq!(resp.status(), 404);
@@ -154,6 +161,85 @@ async fn one_json_line_per_request_with_its_facts() {
     assert_eq!(f["model"], "other");
     assert_eq!(f["attempts"], 0);
     run.stop();
+}
+
+/// `key=value` pairs of a text line after its message.
+fn text_fields(line: &str) -> std::collections::HashMap<String, String> {
+    line.split(' ')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), lines.recv())
+        .await
+        .expect("no line within 10 s")
+        .expect("stdout closed")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn text_lines_are_plain_key_value_pairs() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    let mut child = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--log-format", "text"])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let addr = loop {
+        let line = next_line(&mut lines).await;
+        // Into a pipe, no line carries ANSI escape codes (the subscriber's or the access log's).
+        assert!(!line.contains('\x1b'), "escape codes in {line:?}");
+        if line.contains("inferlb listening") {
+            break text_fields(&line)["main_addr"].clone();
+        }
+    };
+    let _ = chat(&addr, "req-text-1", "m").await.bytes().await.unwrap();
+    let line = loop {
+        let line = next_line(&mut lines).await;
+        assert!(!line.contains('\x1b'), "escape codes in {line:?}");
+        if line.contains("request_id=") {
+            break line;
+        }
+    };
+    // `<RFC 3339 time>  INFO request key=value …`, as the subscriber lays out other lines.
+    let (stamp, rest) = line.split_once(' ').unwrap();
+    assert!(
+        stamp.len() == 27 && stamp.ends_with('Z') && stamp.as_bytes()[10] == b'T',
+        "{line}"
+    );
+    assert!(
+        rest.starts_with(" INFO request request_id=req-text-1 "),
+        "{line}"
+    );
+    let f = text_fields(&line);
+    assert_eq!(f["model"], "m");
+    assert_eq!(f["backend"], backend.url());
+    assert_eq!(f["status"], "200");
+    assert_eq!(f["attempts"], "1");
+    assert_eq!(f["completed"], "true");
+    let ttfb: f64 = f["ttfb_ms"].parse().unwrap();
+    let total: f64 = f["duration_ms"].parse().unwrap();
+    assert!(ttfb > 0.0 && ttfb <= total, "{line}");
+    assert!(f["prompt_bytes"].parse::<usize>().unwrap() >= PROMPT.len());
+    assert_eq!(f["prefix_blocks_matched"], "0");
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(child.wait().unwrap().success());
 }
 
 #[tokio::test(flavor = "multi_thread")]
