@@ -14,7 +14,7 @@ use common::FakeBackend;
 const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 
 struct Running {
-    child: Child,
+    child: Proc,
     addr: String,
     lines: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
 }
@@ -35,6 +35,7 @@ fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
+    let child = Proc(child);
     let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
@@ -57,6 +58,28 @@ fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
     Running { child, addr, lines }
 }
 
+/// The binary, killed if a failed assertion drops it (it would otherwise outlive the test,
+/// holding its port and the file descriptors it inherited).
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// SIGTERM, then a clean exit.
+    fn stop(mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(self.0.wait().unwrap().success());
+    }
+}
+
 impl Running {
     /// The next line whose target is `target`, within 10 s, or `None` when `until` comes first.
     async fn next(&mut self, target: &str, until: &str) -> Option<serde_json::Value> {
@@ -77,12 +100,8 @@ impl Running {
             .unwrap_or_else(|_| panic!("no `{target}` or `{until}` line within 10 s"))
     }
 
-    fn stop(mut self) {
-        Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(self.child.wait().unwrap().success());
+    fn stop(self) {
+        self.child.stop();
     }
 }
 
@@ -171,6 +190,28 @@ fn text_fields(line: &str) -> std::collections::HashMap<String, String> {
         .collect()
 }
 
+/// The binary's stdout lines as they come, unparsed.
+fn spawn_text(backend: &FakeBackend) -> (Proc, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let mut child = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--log-format", "text"])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (Proc(child), lines)
+}
+
 async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
     tokio::time::timeout(Duration::from_secs(10), lines.recv())
         .await
@@ -181,23 +222,7 @@ async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> 
 #[tokio::test(flavor = "multi_thread")]
 async fn text_lines_are_plain_key_value_pairs() {
     let backend = FakeBackend::start("a", &["m"]).await;
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--log-format", "text"])
-        .args(["--backend", &backend.url()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (child, mut lines) = spawn_text(&backend);
     let addr = loop {
         let line = next_line(&mut lines).await;
         // Into a pipe, no line carries ANSI escape codes (the subscriber's or the access log's).
@@ -235,11 +260,7 @@ async fn text_lines_are_plain_key_value_pairs() {
     assert!(ttfb > 0.0 && ttfb <= total, "{line}");
     assert!(f["prompt_bytes"].parse::<usize>().unwrap() >= PROMPT.len());
     assert_eq!(f["prefix_blocks_matched"], "0");
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(child.wait().unwrap().success());
+    child.stop();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -253,12 +274,12 @@ async fn the_access_target_filters_like_any_other() {
         .unwrap();
     // The shutdown line is written after every access line would have been: none came first.
     Command::new("kill")
-        .args(["-TERM", &run.child.id().to_string()])
+        .args(["-TERM", &run.child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(run
         .next("inferlb::access", "inferlb stopped")
         .await
         .is_none());
-    assert!(run.child.wait().unwrap().success());
+    assert!(run.child.0.wait().unwrap().success());
 }

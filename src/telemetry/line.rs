@@ -3,7 +3,7 @@
 //! `tracing_subscriber::fmt` builds each line through field visitors, `fmt::Write` calls per
 //! piece, ANSI styling and a calendar computation of the timestamp: at tens of thousands of
 //! requests a second that was a tenth of the router's CPU (`perf`, see
-//! `bench/results/overhead-2026-12-01-fast.md`, session 3). A [`Line`] appends the same layout
+//! `bench/results/overhead-2026-12-01-fast.md`, "Session 2"). A [`Line`] appends the same layout
 //! straight into a byte buffer: integers through `itoa`, durations as milliseconds with three
 //! decimals (microsecond resolution) from integer arithmetic, and the timestamp's
 //! `YYYY-MM-DDTHH:MM:SS` part cached per thread for the current second.
