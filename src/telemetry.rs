@@ -14,6 +14,7 @@ use metrics_util::MetricKindMask;
 use crate::config::LogFormat;
 
 pub mod handles;
+pub mod line;
 pub mod log_writer;
 
 /// The `model` label of requests whose model no backend lists (or that name none): a client's
@@ -143,17 +144,29 @@ pub fn prometheus(idle: Duration) -> Option<PrometheusHandle> {
         .clone()
 }
 
-/// Set up `tracing` output; a second call (tests) is a no-op.
+/// Set up `tracing` output; a second call (tests) is a no-op. Text is ANSI-styled only when
+/// stdout is a terminal and `NO_COLOR` is not set (a log file gets no escape codes).
 pub fn init_logging(format: LogFormat, filter: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::stdout().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(log_writer::BufferedStdout)
+        .with_ansi(ansi)
         .with_target(false);
-    let _ = match format {
+    let installed = match format {
         // JSON lines name their target (`inferlb::access` for the access log) for log pipelines.
         LogFormat::Json => builder.with_target(true).json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
+    if installed.is_ok() {
+        line::set_style(match format {
+            LogFormat::Json => line::Style::Json,
+            LogFormat::Text if ansi => line::Style::TextAnsi,
+            LogFormat::Text => line::Style::Text,
+        });
+    }
 }

@@ -1,5 +1,6 @@
 //! The access log through the real binary: one JSON line per request under the target
-//! `inferlb::access`, and RUST_LOG-style filtering of that target.
+//! `inferlb::access`, the text layout (plain `key=value`, no escape codes into a pipe), and
+//! RUST_LOG-style filtering of that target.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -13,7 +14,7 @@ use common::FakeBackend;
 const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 
 struct Running {
-    child: Child,
+    child: Proc,
     addr: String,
     lines: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
 }
@@ -34,6 +35,7 @@ fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
+    let child = Proc(child);
     let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
@@ -56,6 +58,28 @@ fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
     Running { child, addr, lines }
 }
 
+/// The binary, killed if a failed assertion drops it (it would otherwise outlive the test,
+/// holding its port and the file descriptors it inherited).
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// SIGTERM, then a clean exit.
+    fn stop(mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(self.0.wait().unwrap().success());
+    }
+}
+
 impl Running {
     /// The next line whose target is `target`, within 10 s, or `None` when `until` comes first.
     async fn next(&mut self, target: &str, until: &str) -> Option<serde_json::Value> {
@@ -76,12 +100,8 @@ impl Running {
             .unwrap_or_else(|_| panic!("no `{target}` or `{until}` line within 10 s"))
     }
 
-    fn stop(mut self) {
-        Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(self.child.wait().unwrap().success());
+    fn stop(self) {
+        self.child.stop();
     }
 }
 
@@ -142,6 +162,12 @@ async fn one_json_line_per_request_with_its_facts() {
         again["fields"]["prefix_blocks"]
     );
 
+    // A request id with JSON's special characters stays one valid line with the id intact.
+    let odd = r#"req-"quoted"\back\slash"#;
+    let _ = chat(&run.addr, odd, "m").await.bytes().await.unwrap();
+    let quoted = run.next("inferlb::access", "-").await.unwrap();
+    assert_eq!(quoted["fields"]["request_id"], odd);
+
     // A model nobody serves: 404, no backend, and the client's string is not logged as the model.
     let resp = chat(&run.addr, "req-404", "made-up-model-name").await;
     assert_eq!(resp.status(), 404);
@@ -156,6 +182,87 @@ async fn one_json_line_per_request_with_its_facts() {
     run.stop();
 }
 
+/// `key=value` pairs of a text line after its message.
+fn text_fields(line: &str) -> std::collections::HashMap<String, String> {
+    line.split(' ')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The binary's stdout lines as they come, unparsed.
+fn spawn_text(backend: &FakeBackend) -> (Proc, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let mut child = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--log-format", "text"])
+        .args(["--backend", &backend.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (Proc(child), lines)
+}
+
+async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), lines.recv())
+        .await
+        .expect("no line within 10 s")
+        .expect("stdout closed")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn text_lines_are_plain_key_value_pairs() {
+    let backend = FakeBackend::start("a", &["m"]).await;
+    let (child, mut lines) = spawn_text(&backend);
+    let addr = loop {
+        let line = next_line(&mut lines).await;
+        // Into a pipe, no line carries ANSI escape codes (the subscriber's or the access log's).
+        assert!(!line.contains('\x1b'), "escape codes in {line:?}");
+        if line.contains("inferlb listening") {
+            break text_fields(&line)["main_addr"].clone();
+        }
+    };
+    let _ = chat(&addr, "req-text-1", "m").await.bytes().await.unwrap();
+    let line = loop {
+        let line = next_line(&mut lines).await;
+        assert!(!line.contains('\x1b'), "escape codes in {line:?}");
+        if line.contains("request_id=") {
+            break line;
+        }
+    };
+    // `<RFC 3339 time>  INFO request key=value …`, as the subscriber lays out other lines.
+    let (stamp, rest) = line.split_once(' ').unwrap();
+    assert!(
+        stamp.len() == 27 && stamp.ends_with('Z') && stamp.as_bytes()[10] == b'T',
+        "{line}"
+    );
+    assert!(
+        rest.starts_with(" INFO request request_id=req-text-1 "),
+        "{line}"
+    );
+    let f = text_fields(&line);
+    assert_eq!(f["model"], "m");
+    assert_eq!(f["backend"], backend.url());
+    assert_eq!(f["status"], "200");
+    assert_eq!(f["attempts"], "1");
+    assert_eq!(f["completed"], "true");
+    let ttfb: f64 = f["ttfb_ms"].parse().unwrap();
+    let total: f64 = f["duration_ms"].parse().unwrap();
+    assert!(ttfb > 0.0 && ttfb <= total, "{line}");
+    assert!(f["prompt_bytes"].parse::<usize>().unwrap() >= PROMPT.len());
+    assert_eq!(f["prefix_blocks_matched"], "0");
+    child.stop();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_access_target_filters_like_any_other() {
     let backend = FakeBackend::start("a", &["m"]).await;
@@ -167,12 +274,12 @@ async fn the_access_target_filters_like_any_other() {
         .unwrap();
     // The shutdown line is written after every access line would have been: none came first.
     Command::new("kill")
-        .args(["-TERM", &run.child.id().to_string()])
+        .args(["-TERM", &run.child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(run
         .next("inferlb::access", "inferlb stopped")
         .await
         .is_none());
-    assert!(run.child.wait().unwrap().success());
+    assert!(run.child.0.wait().unwrap().success());
 }

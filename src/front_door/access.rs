@@ -6,15 +6,23 @@
 //! the time to the first body byte and the whole duration: request id, model (a label-safe
 //! name: `other` unless some backend lists it), backend, status, scheduling decisions made
 //! (`attempts`), prompt length and the prefix blocks matched on the chosen backend.
+//!
+//! The filter decides whether the line is wanted ([`enabled`], a `tracing` check); the line
+//! itself is laid out by hand (`telemetry::line`, in the subscriber's text or JSON layout) and
+//! queued for the log writer thread, which is what one line per request costs least.
 
+use std::cell::RefCell;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::body::Body;
+use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+
+use crate::telemetry::{line, log_writer};
 
 pub const TARGET: &str = "inferlb::access";
 
@@ -26,34 +34,65 @@ pub fn enabled() -> bool {
 /// What the front door knows about a request when its response headers are ready.
 #[derive(Debug, Default)]
 pub struct Entry {
-    pub request_id: String,
+    /// The request's id as sent upstream (`""` when it is not printable ASCII).
+    pub request_id: Option<HeaderValue>,
     pub model: String,
-    pub backend: String,
+    /// The backend header of the response (`none` when no backend answered).
+    pub backend: Option<HeaderValue>,
     pub status: u16,
     pub attempts: u32,
     pub prompt_bytes: usize,
     pub prefix_matched: Option<(u32, u32)>,
 }
 
+thread_local! {
+    /// Each worker thread's line buffer, reused from request to request.
+    static LINE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+fn header_str<'a>(v: Option<&'a HeaderValue>, default: &'a str) -> &'a str {
+    v.and_then(|v| v.to_str().ok()).unwrap_or(default)
+}
+
 impl Entry {
     fn write(&self, received_at: Instant, first_byte: Option<Instant>, completed: bool) {
-        let ms = |t: Instant| t.saturating_duration_since(received_at).as_secs_f64() * 1000.0;
-        let (matched, blocks) = self.prefix_matched.unzip();
-        tracing::info!(
-            target: TARGET,
-            request_id = %self.request_id,
-            model = %self.model,
-            backend = %self.backend,
-            status = self.status,
-            attempts = self.attempts,
-            ttfb_ms = first_byte.map(ms),
-            duration_ms = ms(Instant::now()),
-            prompt_bytes = self.prompt_bytes,
-            prefix_blocks_matched = matched,
-            prefix_blocks = blocks,
-            completed,
-            "request"
-        );
+        let now = Instant::now();
+        LINE.with_borrow_mut(|buf| {
+            buf.clear();
+            self.format(buf, received_at, first_byte, now, completed);
+            log_writer::append(buf);
+            // A line is a few hundred bytes; do not keep an outlier's buffer.
+            if buf.capacity() > 16 << 10 {
+                *buf = Vec::new();
+            }
+        });
+    }
+
+    fn format(
+        &self,
+        buf: &mut Vec<u8>,
+        received_at: Instant,
+        first_byte: Option<Instant>,
+        now: Instant,
+        completed: bool,
+    ) {
+        let mut l = line::Line::start(buf, line::style(), "INFO", TARGET, "request");
+        l.str("request_id", header_str(self.request_id.as_ref(), ""))
+            .str("model", &self.model)
+            .str("backend", header_str(self.backend.as_ref(), "none"))
+            .u64("status", u64::from(self.status))
+            .u64("attempts", u64::from(self.attempts));
+        if let Some(t) = first_byte {
+            l.millis("ttfb_ms", t.saturating_duration_since(received_at));
+        }
+        l.millis("duration_ms", now.saturating_duration_since(received_at))
+            .u64("prompt_bytes", self.prompt_bytes as u64);
+        if let Some((matched, blocks)) = self.prefix_matched {
+            l.u64("prefix_blocks_matched", u64::from(matched))
+                .u64("prefix_blocks", u64::from(blocks));
+        }
+        l.bool("completed", completed);
+        l.finish();
     }
 }
 

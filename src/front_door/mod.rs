@@ -171,19 +171,9 @@ async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Re
         return response;
     }
     let entry = access::Entry {
-        request_id: facts
-            .request_id
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned(),
+        request_id: facts.request_id,
         model,
-        backend: response
-            .headers()
-            .get(&app.backend_header)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("none")
-            .to_owned(),
+        backend: response.headers().get(&app.backend_header).cloned(),
         status: response.status().as_u16(),
         attempts: trace.picks(),
         prompt_bytes: facts.prompt_bytes,
