@@ -425,14 +425,17 @@ async fn replay_server(
             let identity = frames[0].clone();
             let start = u64::from_be_bytes(frames.last().unwrap()[..].try_into().unwrap());
             count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            // As vLLM 0.32 answers (seen on a real server): delimiter, topic, seq, payload.
             for (seq, events) in buffered.iter().filter(|(s, _)| *s >= start) {
                 let mut out = ZmqMessage::from(identity.clone());
                 out.push_back(Bytes::new());
+                out.push_back(Bytes::from_static(b"kv@test"));
                 out.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
                 out.push_back(Bytes::from(encode::payload(0.0, events)));
                 socket.send(out).await.unwrap();
             }
             let mut end = ZmqMessage::from(identity.clone());
+            end.push_back(Bytes::new());
             end.push_back(Bytes::new());
             end.push_back(Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
             end.push_back(Bytes::new());

@@ -112,13 +112,16 @@ pub struct Batch {
 pub const END_OF_REPLAY: u64 = u64::MAX;
 
 /// Split a multipart message into (topic, seq, payload). The last two frames are always seq and
-/// payload (a replay answer has an empty routing frame first; a live one has the topic).
+/// payload. A live message is `[topic, seq, payload]`; a replay answer, as a DEALER receives it
+/// from vLLM 0.32's ROUTER, is `[b"", topic, seq, payload]` (the empty delimiter first; so is
+/// the end marker, whose topic frame is empty); `[b"", seq, payload]` and `[seq, payload]` are
+/// accepted too.
 pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], u64, &'a [u8]), WireError> {
     let n = frames.len();
-    if !(2..=3).contains(&n) {
+    if !(2..=4).contains(&n) || (n == 4 && !frames[0].is_empty()) {
         return Err(WireError::Frames(n));
     }
-    let topic = if n == 3 { frames[0] } else { &[][..] };
+    let topic = if n >= 3 { frames[n - 3] } else { &[][..] };
     let seq: [u8; 8] = frames[n - 2].try_into().map_err(|_| WireError::Seq)?;
     Ok((topic, u64::from_be_bytes(seq), frames[n - 1]))
 }

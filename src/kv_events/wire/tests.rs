@@ -249,4 +249,24 @@ fn frames_split_live_and_replayed_messages() {
         split_frames(&[b"", &(-1i64).to_be_bytes(), b""]).unwrap().1,
         END_OF_REPLAY
     );
+    // vLLM 0.32's replay answer, as a DEALER receives it: delimiter, topic, seq, payload
+    // (seen on a real server: frames of 0, 29, 8 and 1539 bytes); its end marker likewise.
+    assert_eq!(
+        split_frames(&[b"", b"kv@h", &seq, b"p"]).unwrap(),
+        (&b"kv@h"[..], 5, &b"p"[..])
+    );
+    assert_eq!(
+        split_frames(&[b"", b"", &(-1i64).to_be_bytes(), b""])
+            .unwrap()
+            .1,
+        END_OF_REPLAY
+    );
+    assert_eq!(
+        split_frames(&[b"x", b"t", &seq, b"p"]),
+        Err(WireError::Frames(4))
+    );
+    assert_eq!(
+        split_frames(&[b"", b"", b"t", &seq, b"p"]),
+        Err(WireError::Frames(5))
+    );
 }
