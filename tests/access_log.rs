@@ -19,27 +19,41 @@ struct Running {
     lines: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
 }
 
-fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
+/// The binary on a free port with `args`, and its stdout lines as they come.
+fn spawn_lines(args: &[&str]) -> (Proc, tokio::sync::mpsc::UnboundedReceiver<String>) {
     let mut child = Command::new(BIN)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--log-level",
-            log_level,
-        ])
-        .args(["--backend", &backend.url()])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
-    let child = Proc(child);
-    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (Proc(child), lines)
+}
+
+fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
+    let url = backend.url();
+    let (child, mut raw) = spawn_lines(&[
+        "--log-format",
+        "json",
+        "--log-level",
+        log_level,
+        "--backend",
+        &url,
+    ]);
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        while let Some(line) = raw.blocking_recv() {
             let v: serde_json::Value = serde_json::from_str(&line)
                 .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
             if tx.send(v).is_err() {
@@ -192,24 +206,7 @@ fn text_fields(line: &str) -> std::collections::HashMap<String, String> {
 
 /// The binary's stdout lines as they come, unparsed.
 fn spawn_text(backend: &FakeBackend) -> (Proc, tokio::sync::mpsc::UnboundedReceiver<String>) {
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--log-format", "text"])
-        .args(["--backend", &backend.url()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, lines) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (Proc(child), lines)
+    spawn_lines(&["--log-format", "text", "--backend", &backend.url()])
 }
 
 async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {

@@ -224,6 +224,36 @@ async fn until_healthy(router: &str, n: usize) {
     panic!("backends never healthy");
 }
 
+/// Two fake backends serving `m`, each with its own publisher, behind one router (`extra`
+/// config appended); each publisher has announced one unrelated block, so both streams are
+/// live and their block size is known.
+struct Pair {
+    a: FakeBackend,
+    b: FakeBackend,
+    pa: Publisher,
+    pb: Publisher,
+    r: Running,
+}
+
+async fn live_pair(name: &str, extra: &str) -> Pair {
+    let a = FakeBackend::start("a", &["m"]).await;
+    let b = FakeBackend::start("b", &["m"]).await;
+    let mut pa = Publisher::bind(0).await;
+    let mut pb = Publisher::bind(0).await;
+    let r = router_with(
+        &tempdir(name),
+        name,
+        &[(&a, pa.port, None), (&b, pb.port, None)],
+        extra,
+    );
+    until_healthy(&r.addr, 2).await;
+    pa.hello(&r.addr, &a.url(), &[stored(1, None, &prompt(90, 1))])
+        .await;
+    pb.hello(&r.addr, &b.url(), &[stored(1, None, &prompt(91, 1))])
+        .await;
+    Pair { a, b, pa, pb, r }
+}
+
 /// `/kv_event_sources` as vLLM answers it, for a publisher at `endpoint`.
 fn sources(endpoint: &str) -> String {
     format!(
@@ -253,19 +283,15 @@ fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn precise_scores_follow_what_each_publisher_reports() {
-    let a = FakeBackend::start("a", &["m"]).await;
-    let b = FakeBackend::start("b", &["m"]).await;
-    let mut pa = Publisher::bind(0).await;
-    let mut pb = Publisher::bind(0).await;
-    let dir = tempdir("follow");
-    let r = router(&dir, "r", &[(&a, pa.port), (&b, pb.port)]);
+    // Each publisher has announced an unrelated block (the block size is known).
+    let Pair {
+        a,
+        b,
+        mut pa,
+        mut pb,
+        r,
+    } = live_pair("follow", "").await;
     let addr = r.addr.clone();
-    until_healthy(&addr, 2).await;
-    // Each publisher announces an unrelated block (the block size becomes known).
-    pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 1))])
-        .await;
-    pb.hello(&addr, &b.url(), &[stored(1, None, &prompt(91, 1))])
-        .await;
     let p = prompt(1, 8);
     // `a` reports the prompt's 8 blocks (in two chained events): every request goes there.
     pa.send(&[stored(100, None, &p[..4 * BS])]).await;
@@ -584,25 +610,20 @@ async fn a_prefix_evicted_everywhere_returns_to_the_backend_it_was_sent_to() {
     // Nobody holds the prefix any more (stored, then evicted, events flowing): the room term
     // alone would move it to the backend the router filled least; the router's memory keeps it
     // where it went before. With `memory_weight = 0` this sends it to the other backend.
-    let a = FakeBackend::start("a", &["m"]).await;
-    let b = FakeBackend::start("b", &["m"]).await;
-    let mut pa = Publisher::bind(0).await;
-    let mut pb = Publisher::bind(0).await;
-    let dir = tempdir("memory");
-    let r = router_with(
-        &dir,
+    let Pair {
+        a,
+        b,
+        mut pa,
+        mut pb,
+        r,
+    } = live_pair(
         "memory",
-        &[(&a, pa.port, None), (&b, pb.port, None)],
         "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\ninflight_ms = 1\n\
          [[plugins]]\ntype = \"max-score-picker\"\n\
          [[scheduling_profiles]]\nname = \"p\"\nplugins = [{ plugin_ref = \"prefix-cache-scorer\" }, { plugin_ref = \"max-score-picker\" }]\n",
-    );
+    )
+    .await;
     let addr = r.addr.clone();
-    until_healthy(&addr, 2).await;
-    pa.hello(&addr, &a.url(), &[stored(1, None, &prompt(90, 1))])
-        .await;
-    pb.hello(&addr, &b.url(), &[stored(1, None, &prompt(91, 1))])
-        .await;
     for round in 0..3u32 {
         let p = prompt(10 + round, 4);
         let first = route(&addr, &p).await;
