@@ -70,6 +70,32 @@ async fn until_live(base: &str) {
     panic!("no live KV-event stream within 20 s");
 }
 
+/// The binary in front of `backend` with the fixture tokenizer, `config` as its config file and
+/// `extra` flags; also returns the config's directory (removed by the caller).
+fn tokenizing_router(
+    tag: &str,
+    config: &str,
+    backend: &str,
+    extra: &[&str],
+) -> (common::binary::Running, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("inferlb-tok-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let mut args = vec![
+        "--config",
+        cfg.to_str().unwrap(),
+        "--backend",
+        backend,
+        "--tokenizer",
+        FIXTURE,
+        "--poll-interval-ms",
+        "100",
+    ];
+    args.extend_from_slice(extra);
+    (spawn_with(&args), dir)
+}
+
 /// Without any live KV-event stream the ids would be read by nobody: the front door skips
 /// tokenizing (the decision has no `prompt_tokens`) and counts it. Turn the check off (always
 /// tokenize) and this fails on both assertions.
@@ -84,21 +110,8 @@ async fn tokenizing_is_skipped_while_no_backend_stream_is_live() {
     })
     .await
     .unwrap();
-    let dir = std::env::temp_dir().join(format!("inferlb-tok-skip-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("config.toml");
-    std::fs::write(&cfg, "[admin]\nexplain = true\n").unwrap();
     let backend = sim.url();
-    let router = spawn_with(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--backend",
-        &backend,
-        "--tokenizer",
-        FIXTURE,
-        "--poll-interval-ms",
-        "100",
-    ]);
+    let (router, dir) = tokenizing_router("skip", "[admin]\nexplain = true\n", &backend, &[]);
     let base = format!("http://{}", router.addr);
     let chat = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [
         {"role": "system", "content": "you are a router of the load"},
@@ -141,23 +154,13 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
     })
     .await
     .unwrap();
-    let dir = std::env::temp_dir().join(format!("inferlb-tok-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("config.toml");
-    std::fs::write(&cfg, "[admin]\nexplain = true\ndecisions = 8\n").unwrap();
     let backend = sim.url();
-    let router = spawn_with(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--backend",
+    let (router, dir) = tokenizing_router(
+        "test",
+        "[admin]\nexplain = true\ndecisions = 8\n",
         &backend,
-        "--tokenizer",
-        FIXTURE,
-        "--kv-events",
-        "auto",
-        "--poll-interval-ms",
-        "100",
-    ]);
+        &["--kv-events", "auto"],
+    );
     let base = format!("http://{}", router.addr);
     let client = common::client();
     until_live(&base).await;

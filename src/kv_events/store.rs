@@ -77,6 +77,7 @@ impl Status {
         }
     }
 
+    /// Every status, in declaration order (`status as usize` indexes it).
     pub const ALL: [Status; 5] = [
         Status::Off,
         Status::Live,

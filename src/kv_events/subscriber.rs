@@ -345,14 +345,10 @@ pub fn count_streams(pool: &Pool) {
     let now = now_ms();
     let mut counts = [0u32; Status::ALL.len()];
     for b in pool.backends().iter() {
-        let i = match b.kv().status(now) {
-            Status::Off => 0,
-            Status::Live => 1,
-            Status::Unsure => 2,
-            Status::Silent => 3,
-            Status::Broken => 4,
-        };
-        counts[i] = counts[i].saturating_add(1);
+        // `Status::ALL` lists the statuses in declaration order.
+        if let Some(n) = counts.get_mut(b.kv().status(now) as usize) {
+            *n = n.saturating_add(1);
+        }
     }
     for (status, n) in Status::ALL.iter().zip(counts) {
         metrics::gauge!(t::KV_STREAMS, "state" => status.name()).set(f64::from(n));

@@ -188,3 +188,10 @@ fn stores_share_the_fleet_index_and_a_dropped_store_leaves_nothing() {
     );
     assert_eq!(b.matched(&c, 0), 4);
 }
+
+#[test]
+fn every_status_is_listed_at_its_own_index() {
+    for (i, status) in Status::ALL.iter().enumerate() {
+        assert_eq!(*status as usize, i, "{status:?}");
+    }
+}
