@@ -20,9 +20,9 @@ COPY . .
 ARG BUILD_CA_FILE=
 RUN if [ -n "$BUILD_CA_FILE" ]; then export CARGO_HTTP_CAINFO="$BUILD_CA_FILE"; fi \
  && cargo --version && rustc --version \
- && cargo build --release --locked -p inferlb -p vllm-sim \
- && strip target/release/inferlb target/release/vllm-sim \
- && install -m 0755 target/release/inferlb target/release/vllm-sim /usr/local/bin/ \
+ && cargo build --profile dist --locked -p inferlb -p vllm-sim \
+ && strip target/dist/inferlb target/dist/vllm-sim \
+ && install -m 0755 target/dist/inferlb target/dist/vllm-sim /usr/local/bin/ \
  && rm -rf target /root/.cargo/registry /root/.cargo/git
 # (target/ is removed in the same step: the build stage's layer would otherwise hold ~2 GB of
 # build output — a first build here failed writing that layer to a nearly full disk.)

@@ -33,10 +33,11 @@ need nginx nginx-light
 NGINX=$(command -v nginx)
 
 if [ -z "${NO_BUILD:-}" ]; then
-  cargo build --release --all-features -p inferlb --bin inferlb --example sse_responder
+  # The production profile (Cargo.toml's [profile.dist]: LTO), as the image ships it.
+  cargo build --profile dist --all-features -p inferlb --bin inferlb --example sse_responder
 fi
-LB=target/release/inferlb
-SSE=target/release/examples/sse_responder
+LB=${LB:-target/dist/inferlb}
+SSE=${SSE:-target/dist/examples/sse_responder}
 
 WORK=$(mktemp -d)
 chmod 755 "$WORK"   # nginx workers (user nobody) read the metrics page from it
