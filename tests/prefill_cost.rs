@@ -181,3 +181,42 @@ async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_
     assert!(settled, "sent work left after every response ended");
     router.shutdown().await;
 }
+
+/// The default profile's two prefix-aware scorers work through one matcher: every request
+/// sent is recorded once (one `inferlb_prefix_match_ratio` observation per request; with a
+/// matcher each, every pick was recorded, and counted, twice), and the second request of a
+/// prefix is seen to match it. The real binary with the shipped config, so the metrics are
+/// this process's alone.
+#[tokio::test]
+async fn the_default_profile_records_each_pick_once() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let router = common::binary::spawn_with(&["--config", "config.toml", "--backend", &b.url()]);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(20));
+    while !common::healthy(&common::admin_at(&router.addr).await, &b.url()) {
+        assert!(tokio::time::Instant::now() < deadline, "never healthy");
+        tick.tick().await;
+    }
+    let http = client();
+    for i in 0..5 {
+        let resp = http
+            .post(format!("http://{}/v1/chat/completions", router.addr))
+            .json(&chat(i, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    let page = common::metrics_at(&router.addr).await;
+    let value = |series: &str| -> f64 {
+        page.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no `{series}` in:\n{page}"))
+    };
+    assert_eq!(value("inferlb_prefix_match_ratio_count "), 5.0, "{page}");
+    // Requests 2–5 found the shared system prompt (its 100 blocks of the prompt's 125): the
+    // ratios add up to 4 × 0.8.
+    let sum = value("inferlb_prefix_match_ratio_sum ");
+    assert!((sum - 3.2).abs() < 0.05, "sum {sum}");
+}

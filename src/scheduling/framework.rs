@@ -146,6 +146,19 @@ pub trait Plugin: Send + Sync {
     /// `/metrics` is being rendered: set the plugin's own gauges (they would otherwise idle
     /// out of the exporter while no request comes).
     fn refresh_metrics(&self) {}
+    /// The plugin instance this one works through instead of keeping state of its own, named
+    /// in its parameters: `(parameter, instance name)`. The profile builder hands that
+    /// instance over with [`Plugin::link`] after every plugin is built (and again on each
+    /// reload), and refuses a profile that uses this plugin without the other one.
+    fn link_target(&self) -> Option<(&'static str, &str)> {
+        None
+    }
+    /// Take the instance [`Plugin::link_target`] named; an error says why it does not fit.
+    fn link(&self, _target: &super::registry::PluginInstance) -> Result<(), String> {
+        Ok(())
+    }
+    /// The concrete plugin, for a linked plugin to recognise its target's type.
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// Removes candidates that must not serve the request. A filter that would remove every

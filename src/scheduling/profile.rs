@@ -215,7 +215,43 @@ fn default_parameters(kind: &str) -> toml::Table {
         table.insert("max_waiting".into(), toml::Value::Float(16.0));
         table.insert("max_kv_usage".into(), toml::Value::Float(1.0));
     }
+    if kind == PrefillCostScorer::TYPE {
+        // One prefix matcher for the profile: the prefill-cost scorer works through the
+        // prefix-cache scorer's index instead of keeping an identical one.
+        table.insert(
+            "prefix".into(),
+            toml::Value::String(PrefixCacheScorer::TYPE.into()),
+        );
+    }
     table
+}
+
+/// Hand every plugin that works through another instance that instance (see
+/// [`Plugin::link_target`]). Runs on every build, reused instances included: a kept plugin's
+/// target may have been rebuilt.
+fn link_all(
+    instances: &HashMap<String, PluginInstance>,
+    field_of: impl Fn(&str) -> String,
+) -> Result<(), ConfigError> {
+    let mut names: Vec<&String> = instances.keys().collect();
+    names.sort_unstable();
+    for name in names {
+        let plugin = instances[name].as_plugin();
+        let Some((param, target)) = plugin.link_target() else {
+            continue;
+        };
+        let field = format!("{}.{param}", field_of(name));
+        let Some(instance) = instances.get(target) else {
+            return Err(ConfigError::invalid(
+                field,
+                format!("no plugin named `{target}` in [[plugins]]"),
+            ));
+        };
+        plugin
+            .link(instance)
+            .map_err(|why| ConfigError::invalid(field, why))?;
+    }
+    Ok(())
 }
 
 /// Build the active profile (and validate all the others) from the config.
@@ -249,6 +285,12 @@ pub fn build_active_reusing(
         instances.insert(name.clone(), reuse_or_build(spec)?);
         specs.insert(name, spec.clone());
     }
+    let declared: HashMap<String, usize> = config
+        .plugins
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| (spec.instance_name().to_owned(), i))
+        .collect();
     let profiles: Vec<ProfileSpec> = if config.scheduling_profiles.is_empty() {
         // The default profile may use plugins the file does not declare: create them with defaults.
         for (kind, _) in DEFAULT_PROFILE {
@@ -275,6 +317,10 @@ pub fn build_active_reusing(
     } else {
         config.scheduling_profiles.clone()
     };
+    link_all(&instances, |name| match declared.get(name) {
+        Some(i) => format!("plugins[{i}].parameters"),
+        None => format!("default profile's `{name}` parameters"),
+    })?;
     let mut active = None;
     let wanted = config
         .profile
@@ -393,6 +439,21 @@ fn build_profile(
             CapacityFilter::TYPE,
             max_inflight_per_backend,
         )));
+    }
+    // A plugin working through another instance needs that instance's hooks (it records
+    // the picks) in the same profile.
+    for plugin in &plugins {
+        if let Some((_, target)) = plugin.link_target() {
+            if !plugins.iter().any(|p| p.name() == target) {
+                return Err(ConfigError::invalid(
+                    format!("scheduling_profiles[{pi}].plugins"),
+                    format!(
+                        "`{}` works through `{target}`, which this profile does not include",
+                        plugin.name()
+                    ),
+                ));
+            }
+        }
     }
     let slot_limit = mandatory.iter().filter_map(|f| f.capacity()).min();
     Ok(Profile {

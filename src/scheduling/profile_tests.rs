@@ -233,3 +233,75 @@ fn reload_reuses_unchanged_plugin_instances() {
     let again = build_active_reusing(&config(""), Some(&default)).unwrap();
     assert!(prefix(&default) == prefix(&again), "default profile too");
 }
+
+#[test]
+fn a_shared_prefix_matcher_must_name_a_prefix_scorer_of_the_same_profile() {
+    let pc = |prefix: &str, refs: &str| {
+        format!(
+            "[[plugins]]\ntype = \"prefix-cache-scorer\"\nname = \"px\"\n\
+             [[plugins]]\ntype = \"queue-scorer\"\n\
+             [[plugins]]\ntype = \"prefill-cost-scorer\"\n[plugins.parameters]\nprefix = \"{prefix}\"\n\
+             [[scheduling_profiles]]\nname = \"p\"\nplugins = [{refs}]\n"
+        )
+    };
+    let both = r#"{ plugin_ref = "px" }, { plugin_ref = "prefill-cost-scorer" }"#;
+    assert!(build_active(&config(&pc("px", both))).is_ok());
+    let e = err(&pc("nosuch", both));
+    assert!(
+        e.contains("plugins[2].parameters.prefix") && e.contains("no plugin named `nosuch`"),
+        "{e}"
+    );
+    let e = err(&pc("queue-scorer", both));
+    assert!(e.contains("is not a `prefix-cache-scorer`"), "{e}");
+    let e = err(&pc("px", r#"{ plugin_ref = "prefill-cost-scorer" }"#));
+    assert!(
+        e.contains("scheduling_profiles[0].plugins") && e.contains("does not include"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_reload_relinks_a_kept_scorer_to_a_rebuilt_matcher() {
+    use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
+    use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
+    // The default profile: prefill-cost works through prefix-cache-scorer. A reload that
+    // changes only the prefix scorer's parameters rebuilds it and keeps prefill-cost.
+    let first = build_active(&config("")).unwrap();
+    let second = build_active_reusing(
+        &config(
+            "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = 32\n",
+        ),
+        Some(&first),
+    )
+    .unwrap();
+    let find = |p: &Profile, ty: &str| {
+        p.plugins()
+            .iter()
+            .find(|q| q.type_name() == ty)
+            .map(Arc::clone)
+            .unwrap()
+    };
+    let matcher = find(&second, PrefixCacheScorer::TYPE);
+    let matcher = matcher
+        .as_any()
+        .downcast_ref::<PrefixCacheScorer>()
+        .unwrap();
+    let cost = find(&second, PrefillCostScorer::TYPE);
+    let cost = cost.as_any().downcast_ref::<PrefillCostScorer>().unwrap();
+    let cost_first = find(&first, PrefillCostScorer::TYPE);
+    assert!(
+        std::ptr::eq(
+            cost,
+            cost_first
+                .as_any()
+                .downcast_ref::<PrefillCostScorer>()
+                .unwrap()
+        ),
+        "the prefill-cost scorer was kept"
+    );
+    let linked = cost.with_prefix(std::ptr::from_ref).unwrap();
+    assert!(
+        std::ptr::eq(linked, matcher),
+        "linked to the rebuilt matcher"
+    );
+}

@@ -64,6 +64,15 @@ impl<T: Plugin + ?Sized> Plugin for AsPlugin<T> {
     fn refresh_metrics(&self) {
         self.0.refresh_metrics();
     }
+    fn link_target(&self) -> Option<(&'static str, &str)> {
+        self.0.link_target()
+    }
+    fn link(&self, target: &PluginInstance) -> Result<(), String> {
+        self.0.link(target)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self.0.as_any()
+    }
 }
 
 impl PluginInstance {

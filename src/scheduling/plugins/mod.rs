@@ -27,6 +27,9 @@ macro_rules! identity {
         fn name(&self) -> &str {
             &self.name
         }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
     };
 }
 pub(crate) use identity;

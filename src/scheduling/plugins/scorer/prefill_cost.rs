@@ -28,27 +28,44 @@
 //!
 //! Parameters: `decode_weight` (default 0.05: in vLLM a decoding sequence's context costs far
 //! less per step than a prefilled token, but it holds KV blocks), `smoothing` (default 256
-//! tokens), and `prefix`, the parameters of the embedded prefix matcher (those of the
-//! `prefix-cache-scorer`, same defaults). The scorer keeps its own approximate index, so it can
-//! replace the prefix and load scorers in a profile rather than sit beside them.
+//! tokens), and `prefix`, which says where `held_i` comes from:
+//!
+//! * a table: the parameters of a prefix matcher of the scorer's own (those of the
+//!   `prefix-cache-scorer`, same defaults; an empty table is all defaults), with its own
+//!   approximate index, so the scorer can replace the prefix and load scorers in a profile;
+//! * a plugin name (`prefix = "prefix-cache-scorer"`): that `prefix-cache-scorer` instance's
+//!   matcher, shared — one index, the prompt hashed once, each pick recorded once. The profile
+//!   must include that instance (it records the picks). The default profile links its two
+//!   scorers this way; before, it kept two identical indexes, hashed every prompt twice and
+//!   counted every pick twice in `inferlb_prefix_match_ratio`.
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use serde::Deserialize;
 
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{CycleState, Plugin, PromptWork, Scorer, Signal};
-use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
+use crate::scheduling::plugins::scorer::prefix_cache::{Held, PrefixCacheScorer};
 use crate::scheduling::plugins::{identity, parameters};
+use crate::scheduling::registry::PluginInstance;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct Params {
     decode_weight: f64,
     smoothing: f64,
-    prefix: toml::Table,
+    prefix: PrefixParam,
+}
+
+/// `prefix`: a matcher of the scorer's own (its parameters) or another plugin's (its name).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PrefixParam {
+    Shared(String),
+    Own(toml::Table),
 }
 
 impl Default for Params {
@@ -56,9 +73,20 @@ impl Default for Params {
         Params {
             decode_weight: 0.05,
             smoothing: 256.0,
-            prefix: toml::Table::new(),
+            prefix: PrefixParam::Own(toml::Table::new()),
         }
     }
+}
+
+/// Where the scorer's prefix matches come from.
+enum Matcher {
+    Own(PrefixCacheScorer),
+    /// A `prefix-cache-scorer` instance of the profile, set by [`Plugin::link`] (again on
+    /// every reload, as that instance may have been rebuilt while this one was kept).
+    Shared {
+        target: String,
+        scorer: ArcSwapOption<Arc<dyn Scorer>>,
+    },
 }
 
 /// Per request: this scorer's uncached estimate per candidate of the last scoring.
@@ -71,8 +99,8 @@ pub struct PrefillCostScorer {
     name: Arc<str>,
     decode_weight: f64,
     smoothing: f64,
-    /// The embedded matcher; its scratch lives under `"<name>.prefix"`.
-    prefix: PrefixCacheScorer,
+    /// The matcher; an own one keeps its scratch under `"<name>.prefix"`.
+    prefix: Matcher,
 }
 
 impl PrefillCostScorer {
@@ -87,7 +115,16 @@ impl PrefillCostScorer {
         if !(params.smoothing > 0.0 && params.smoothing.is_finite()) {
             return Err(ConfigError::invalid(field, "smoothing must be > 0"));
         }
-        let prefix = PrefixCacheScorer::from_parameters(&format!("{name}.prefix"), &params.prefix)?;
+        let prefix = match params.prefix {
+            PrefixParam::Own(table) => Matcher::Own(PrefixCacheScorer::from_parameters(
+                &format!("{name}.prefix"),
+                &table,
+            )?),
+            PrefixParam::Shared(target) => Matcher::Shared {
+                target,
+                scorer: ArcSwapOption::empty(),
+            },
+        };
         Ok(PrefillCostScorer {
             name: name.into(),
             decode_weight: params.decode_weight,
@@ -96,9 +133,26 @@ impl PrefillCostScorer {
         })
     }
 
-    /// The embedded prefix matcher (tests, admin).
-    pub fn prefix(&self) -> &PrefixCacheScorer {
-        &self.prefix
+    /// Run `f` with the prefix matcher in use: the scorer's own, or the linked one (`None`
+    /// only before the profile builder linked it).
+    pub fn with_prefix<R>(&self, f: impl FnOnce(&PrefixCacheScorer) -> R) -> Option<R> {
+        match &self.prefix {
+            Matcher::Own(own) => Some(f(own)),
+            Matcher::Shared { scorer, .. } => {
+                let guard = scorer.load();
+                let shared = guard.as_ref()?;
+                shared.as_any().downcast_ref::<PrefixCacheScorer>().map(f)
+            }
+        }
+    }
+
+    /// The matcher of the scorer's own, if it has one (hooks run only on an own matcher: a
+    /// shared one gets them from its plugin).
+    fn own(&self) -> Option<&PrefixCacheScorer> {
+        match &self.prefix {
+            Matcher::Own(own) => Some(own),
+            Matcher::Shared { .. } => None,
+        }
     }
 }
 
@@ -106,7 +160,9 @@ impl Plugin for PrefillCostScorer {
     identity!();
 
     fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
-        self.prefix.after_pick(request, state, backend);
+        if let Some(own) = self.own() {
+            own.after_pick(request, state, backend);
+        }
     }
 
     fn prompt_work(
@@ -125,7 +181,10 @@ impl Plugin for PrefillCostScorer {
             ),
             // Handed a slot while it waited without being scored: assume nothing cached.
             None => {
-                let prompt = self.prefix.prompt_tokens(request).ceil() as u64;
+                let prompt = self
+                    .with_prefix(|p| p.prompt_tokens(request))
+                    .unwrap_or(0.0)
+                    .ceil() as u64;
                 (prompt, prompt)
             }
         };
@@ -133,17 +192,51 @@ impl Plugin for PrefillCostScorer {
     }
 
     fn backend_removed(&self, backend: &Backend) {
-        self.prefix.backend_removed(backend);
+        if let Some(own) = self.own() {
+            own.backend_removed(backend);
+        }
     }
 
     fn refresh_metrics(&self) {
-        self.prefix.refresh_metrics();
+        if let Some(own) = self.own() {
+            own.refresh_metrics();
+        }
+    }
+
+    fn link_target(&self) -> Option<(&'static str, &str)> {
+        match &self.prefix {
+            Matcher::Own(_) => None,
+            Matcher::Shared { target, .. } => Some(("prefix", target)),
+        }
+    }
+
+    fn link(&self, target: &PluginInstance) -> Result<(), String> {
+        let Matcher::Shared {
+            target: name,
+            scorer,
+        } = &self.prefix
+        else {
+            return Ok(());
+        };
+        match target {
+            PluginInstance::Scorer(s)
+                if s.as_any().downcast_ref::<PrefixCacheScorer>().is_some() =>
+            {
+                scorer.store(Some(Arc::new(Arc::clone(s))));
+                Ok(())
+            }
+            _ => Err(format!(
+                "`{name}` is not a `{}` instance",
+                PrefixCacheScorer::TYPE
+            )),
+        }
     }
 }
 
 impl Scorer for PrefillCostScorer {
     fn consumes(&self) -> &'static [Signal] {
-        self.prefix.consumes()
+        // A shared matcher's plugin declares its own.
+        self.own().map_or(&[], |own| own.consumes())
     }
 
     fn score(
@@ -153,8 +246,9 @@ impl Scorer for PrefillCostScorer {
         candidates: &[Candidate<'_>],
         scores: &mut [f64],
     ) {
-        let held = self.prefix.held(request, state, candidates);
-        let prompt = self.prefix.prompt_tokens(request);
+        let (held, prompt) = self
+            .with_prefix(|p| (p.held(request, state, candidates), p.prompt_tokens(request)))
+            .unwrap_or_else(|| (vec![Held::default(); candidates.len()], 0.0));
         let mut uncached = Vec::with_capacity(candidates.len());
         let mut min = f64::INFINITY;
         for ((slot, c), h) in scores.iter_mut().zip(candidates).zip(&held) {
