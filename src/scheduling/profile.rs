@@ -226,14 +226,16 @@ fn default_parameters(kind: &str) -> toml::Table {
     table
 }
 
-/// Hand every plugin that works through another instance that instance (see
-/// [`Plugin::link_target`]). Runs on every build, reused instances included: a kept plugin's
-/// target may have been rebuilt.
+/// Hand every freshly built plugin that works through another instance that instance (see
+/// [`Plugin::link_target`]). A reused instance is never re-linked: it belongs to the profile
+/// in effect, and this build may still be refused. So a reused plugin whose target was
+/// rebuilt is rebuilt too (it keeps no state of its own) before this runs.
 fn link_all(
     instances: &HashMap<String, PluginInstance>,
+    reused: &std::collections::HashSet<String>,
     field_of: impl Fn(&str) -> String,
 ) -> Result<(), ConfigError> {
-    let mut names: Vec<&String> = instances.keys().collect();
+    let mut names: Vec<&String> = instances.keys().filter(|n| !reused.contains(*n)).collect();
     names.sort_unstable();
     for name in names {
         let plugin = instances[name].as_plugin();
@@ -268,9 +270,13 @@ pub fn build_active_reusing(
 ) -> Result<Arc<Profile>, ConfigError> {
     let mut specs: HashMap<String, PluginSpec> = HashMap::new();
     let mut instances: HashMap<String, PluginInstance> = HashMap::new();
-    let reuse_or_build = |spec: &PluginSpec| -> Result<PluginInstance, ConfigError> {
+    let mut reused = std::collections::HashSet::new();
+    let mut reuse_or_build = |spec: &PluginSpec| -> Result<PluginInstance, ConfigError> {
         match previous.and_then(|p| p.built.get(spec.instance_name())) {
-            Some((old, instance)) if old == spec => Ok(instance.clone()),
+            Some((old, instance)) if old == spec => {
+                reused.insert(spec.instance_name().to_owned());
+                Ok(instance.clone())
+            }
             _ => build(spec),
         }
     };
@@ -317,10 +323,46 @@ pub fn build_active_reusing(
     } else {
         config.scheduling_profiles.clone()
     };
-    link_all(&instances, |name| match declared.get(name) {
+    // A kept plugin linked to an instance this build replaces is replaced as well.
+    let mut relink: Vec<String> = reused
+        .iter()
+        .filter(|name| {
+            instances[*name]
+                .as_plugin()
+                .link_target()
+                .is_some_and(|(_, target)| !reused.contains(target))
+        })
+        .cloned()
+        .collect();
+    relink.sort_unstable();
+    for name in relink {
+        reused.remove(&name);
+        instances.insert(name.clone(), build(&specs[&name])?);
+    }
+    let field_of = |name: &str| match declared.get(name) {
         Some(i) => format!("plugins[{i}].parameters"),
         None => format!("default profile's `{name}` parameters"),
-    })?;
+    };
+    link_all(&instances, &reused, field_of)?;
+    if config.scheduling_profiles.is_empty() {
+        // The default profile holds only its own plugins: a declared default plugin linked to
+        // another instance is an error in that plugin's parameters, not in a profile the file
+        // does not have.
+        for (kind, _) in DEFAULT_PROFILE {
+            let plugin = instances[*kind].as_plugin();
+            if let Some((param, target)) = plugin.link_target() {
+                if !DEFAULT_PROFILE.iter().any(|(k, _)| *k == target) {
+                    return Err(ConfigError::invalid(
+                        format!("{}.{param}", field_of(kind)),
+                        format!(
+                            "the default profile uses the plugins named after their types; \
+                             `{target}` is not one of them"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
     let mut active = None;
     let wanted = config
         .profile

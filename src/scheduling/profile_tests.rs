@@ -260,48 +260,67 @@ fn a_shared_prefix_matcher_must_name_a_prefix_scorer_of_the_same_profile() {
     );
 }
 
-#[test]
-fn a_reload_relinks_a_kept_scorer_to_a_rebuilt_matcher() {
+/// The matcher a profile's prefill-cost scorer works through, and that profile's own
+/// prefix-cache scorer.
+fn matchers(p: &Profile) -> (*const (), *const ()) {
     use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
     use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
-    // The default profile: prefill-cost works through prefix-cache-scorer. A reload that
-    // changes only the prefix scorer's parameters rebuilds it and keeps prefill-cost.
-    let first = build_active(&config("")).unwrap();
-    let second = build_active_reusing(
-        &config(
-            "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = 32\n",
-        ),
-        Some(&first),
-    )
-    .unwrap();
-    let find = |p: &Profile, ty: &str| {
+    let find = |ty: &str| {
         p.plugins()
             .iter()
             .find(|q| q.type_name() == ty)
             .map(Arc::clone)
             .unwrap()
     };
-    let matcher = find(&second, PrefixCacheScorer::TYPE);
-    let matcher = matcher
-        .as_any()
-        .downcast_ref::<PrefixCacheScorer>()
-        .unwrap();
-    let cost = find(&second, PrefillCostScorer::TYPE);
+    let own = find(PrefixCacheScorer::TYPE);
+    let own = own.as_any().downcast_ref::<PrefixCacheScorer>().unwrap();
+    let cost = find(PrefillCostScorer::TYPE);
     let cost = cost.as_any().downcast_ref::<PrefillCostScorer>().unwrap();
-    let cost_first = find(&first, PrefillCostScorer::TYPE);
-    assert!(
-        std::ptr::eq(
-            cost,
-            cost_first
-                .as_any()
-                .downcast_ref::<PrefillCostScorer>()
-                .unwrap()
-        ),
-        "the prefill-cost scorer was kept"
+    let linked = cost
+        .with_prefix(|m| std::ptr::from_ref(m).cast::<()>())
+        .unwrap();
+    (linked, std::ptr::from_ref(own).cast())
+}
+
+#[test]
+fn a_reload_that_rebuilds_the_matcher_links_a_new_scorer_to_it() {
+    // The default profile: prefill-cost works through prefix-cache-scorer. A reload that
+    // changes only the prefix scorer's parameters rebuilds it, and so the scorer linked to it.
+    let first = build_active(&config("")).unwrap();
+    let changed =
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\nblock_size = 32\n";
+    let second = build_active_reusing(&config(changed), Some(&first)).unwrap();
+    let (linked, own) = matchers(&second);
+    assert_eq!(linked, own, "linked to the rebuilt matcher");
+    let (linked, own) = matchers(&first);
+    assert_eq!(linked, own, "the first profile still reads its own matcher");
+    assert_ne!(matchers(&first).1, matchers(&second).1);
+    // A reload changing nothing keeps both, still linked.
+    let third = build_active_reusing(&config(changed), Some(&second)).unwrap();
+    assert_eq!(matchers(&third), matchers(&second));
+}
+
+#[test]
+fn a_refused_reload_leaves_the_running_profile_linked_as_it_was() {
+    let first = build_active(&config("")).unwrap();
+    let before = matchers(&first);
+    // The prefix scorer's parameters change (it would be rebuilt), but the file also names a
+    // profile that does not exist: the reload is refused.
+    let refused = "profile = \"nosuch\"\n[[plugins]]\ntype = \"prefix-cache-scorer\"\n\
+                   [plugins.parameters]\nblock_size = 32\n";
+    assert!(build_active_reusing(&config(refused), Some(&first)).is_err());
+    assert_eq!(matchers(&first), before);
+    assert_eq!(before.0, before.1);
+}
+
+#[test]
+fn a_default_profile_plugin_linked_outside_it_names_its_own_parameter() {
+    let e = err(
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\nname = \"px\"\n\
+         [[plugins]]\ntype = \"prefill-cost-scorer\"\n[plugins.parameters]\nprefix = \"px\"\n",
     );
-    let linked = cost.with_prefix(std::ptr::from_ref).unwrap();
     assert!(
-        std::ptr::eq(linked, matcher),
-        "linked to the rebuilt matcher"
+        e.contains("plugins[1].parameters.prefix") && e.contains("`px` is not one of them"),
+        "{e}"
     );
 }

@@ -62,7 +62,10 @@ struct Params {
 
 /// `prefix`: a matcher of the scorer's own (its parameters) or another plugin's (its name).
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "`prefix`: a plugin name, or a table of prefix-cache-scorer parameters"
+)]
 enum PrefixParam {
     Shared(String),
     Own(toml::Table),
@@ -414,5 +417,10 @@ mod tests {
                 .to_string();
             assert!(err.contains("plugins.pc"), "{bad}: {err}");
         }
+        let err = PrefillCostScorer::from_parameters("pc", &toml::from_str("prefix = 5").unwrap())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("`prefix`: a plugin name"), "{err}");
     }
 }
