@@ -215,6 +215,12 @@ async fn the_default_profile_records_each_pick_once() {
             .unwrap_or_else(|| panic!("no `{series}` in:\n{page}"))
     };
     assert_eq!(value("inferlb_prefix_match_ratio_count "), 5.0, "{page}");
+    // One candidate per decision, scored from the approximate index (no KV events): counted
+    // once per decision, not once per scorer reading the matcher.
+    assert_eq!(
+        value("inferlb_prefix_precise_candidates_total{source=\"approximate\"} "),
+        5.0
+    );
     // Requests 2–5 found the shared system prompt (its 100 blocks of the prompt's 125): the
     // ratios add up to 4 × 0.8.
     let sum = value("inferlb_prefix_match_ratio_sum ");

@@ -250,7 +250,13 @@ impl Scorer for PrefillCostScorer {
         scores: &mut [f64],
     ) {
         let (held, prompt) = self
-            .with_prefix(|p| (p.held(request, state, candidates), p.prompt_tokens(request)))
+            .with_prefix(|p| {
+                let own = self.own().is_some();
+                (
+                    p.held(request, state, candidates, own),
+                    p.prompt_tokens(request),
+                )
+            })
             .unwrap_or_else(|| (vec![Held::default(); candidates.len()], 0.0));
         let mut uncached = Vec::with_capacity(candidates.len());
         let mut min = f64::INFINITY;

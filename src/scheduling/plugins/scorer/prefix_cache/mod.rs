@@ -317,12 +317,16 @@ impl PrefixCacheScorer {
     /// by its reported blocks when its KV-event stream is live, else by the approximate index.
     /// Leaves the request's hashes and matches in `state` for [`Plugin::after_pick`] (and for
     /// the next decision of the same request). Scorers that reason in tokens (the
-    /// `prefill-cost-scorer`) call this on a scorer of their own.
+    /// `prefill-cost-scorer`) call this on a scorer of their own, or on the profile's shared
+    /// one; `count` says whether to count the candidates in
+    /// `inferlb_prefix_precise_candidates_total` (once per decision: a shared matcher's own
+    /// scorer counts them).
     pub fn held(
         &self,
         request: &RequestView,
         state: &mut CycleState,
         candidates: &[Candidate<'_>],
+        count: bool,
     ) -> Vec<Held> {
         let mut out = vec![Held::default(); candidates.len()];
         if request.routing_text.is_none() && request.tokens.is_none() {
@@ -362,12 +366,12 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
-        if !precise.is_empty() {
+        if count && !precise.is_empty() {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
                 .increment(precise.len() as u64);
         }
         let approximate = candidates.len().saturating_sub(precise.len());
-        if approximate > 0 && n > 0 {
+        if count && approximate > 0 && n > 0 {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
                 .increment(approximate as u64);
         }
@@ -499,7 +503,7 @@ impl Scorer for PrefixCacheScorer {
         scores: &mut [f64],
     ) {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        let held = self.held(request, state, candidates);
+        let held = self.held(request, state, candidates, true);
         let w = self.params.length_weight;
         let mut any = false;
         for (slot, h) in scores.iter_mut().zip(&held) {
