@@ -270,3 +270,69 @@ fn frames_split_live_and_replayed_messages() {
         Err(WireError::Frames(5))
     );
 }
+
+/// The token loop's three paths (runs of eight u16s, pairs from one load, single ids) and the
+/// general reader at the end agree with the ids written, for every mix of encodings: runs
+/// broken at each position, all widths (fixint, u8, u16, u32, and u64 `0xcf`, which only the
+/// general reader takes), lengths around the 8-, 16- and 24-byte windows.
+#[test]
+fn token_ids_decode_in_every_mix_of_encodings() {
+    let widths: [fn(&mut fastrand::Rng) -> u64; 5] = [
+        |r| r.u64(..0x80),
+        |r| r.u64(0x80..0x100),
+        |r| r.u64(0x100..0x1_0000),
+        |r| r.u64(0x1_0000..0x1_0000_0000),
+        |r| r.u64(..0x1_0000), // written below as u64 (0xcf)
+    ];
+    let mut rng = fastrand::Rng::with_seed(11);
+    for case in 0..4_000 {
+        let n = rng.usize(0..40);
+        // Mostly u16 (the fast run), with other widths sprinkled in at random places.
+        let odd = rng.usize(0..5);
+        let ids: Vec<(u64, usize)> = (0..n)
+            .map(|_| {
+                let w = if rng.usize(0..8) == 0 {
+                    rng.usize(0..5)
+                } else {
+                    [2, odd][rng.usize(0..2)]
+                };
+                (widths[w](&mut rng), w)
+            })
+            .collect();
+        let mut p = Vec::new();
+        rmp::encode::write_array_len(&mut p, n as u32).unwrap();
+        for &(id, w) in &ids {
+            if w == 4 {
+                rmp::encode::write_u64(&mut p, id).unwrap();
+            } else {
+                rmp::encode::write_uint(&mut p, id).unwrap();
+            }
+        }
+        // Whatever follows the array must be left for the next reader.
+        let tail = rng.usize(0..20);
+        p.extend(std::iter::repeat_n(0xc0, tail));
+        let mut c = Cursor::new(&p);
+        let got = c.tokens().unwrap();
+        let want: Vec<u32> = ids.iter().map(|&(id, _)| id as u32).collect();
+        assert_eq!(got, want, "case {case}: {ids:?}");
+        assert_eq!(c.buf.len(), tail, "case {case}: bytes left");
+    }
+}
+
+#[test]
+fn a_token_id_that_is_not_a_u32_is_refused() {
+    for bad in [
+        |p: &mut Vec<u8>| rmp::encode::write_u64(p, 1 << 40).map(|_| ()),
+        |p: &mut Vec<u8>| rmp::encode::write_sint(p, -1).map(|_| ()),
+        |p: &mut Vec<u8>| rmp::encode::write_str(p, "x").map(|_| ()),
+    ] {
+        let mut p = Vec::new();
+        rmp::encode::write_array_len(&mut p, 12).unwrap();
+        for i in 0..11 {
+            rmp::encode::write_uint(&mut p, 300 + i).unwrap();
+        }
+        bad(&mut p).unwrap();
+        p.extend([0xcd, 1, 2, 0xcd, 1, 2, 0xcd, 1, 2]);
+        assert!(Cursor::new(&p).tokens().is_err(), "{p:?}");
+    }
+}
