@@ -2,7 +2,7 @@
 # Builds the image from the Dockerfile with podman on this machine and runs it: the router
 # container answers /health (and its own HEALTHCHECK passes), routes a chat completion to a
 # vllm-sim container started from the same image, runs as a non-root user, and exits 0 on
-# SIGTERM. Not part of CI (a release build of the workspace: 10+ minutes on 2 cores).
+# SIGTERM. Not part of CI (a dist build, fat LTO, of both binaries: ~40 minutes on 2 cores).
 #   deploy/test-image.sh [TAG]      # TAG defaults to inferlb:test
 # Containers use the host network (published ports do not work in this sandbox) on loopback
 # ports 18100 (router) and 18101 (simulator).
