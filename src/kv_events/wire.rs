@@ -371,9 +371,12 @@ impl<'a> Cursor<'a> {
                     // marker would be mispredicted on a mixed stream.
                     let markers = u64::from_le_bytes(std::array::from_fn(|k| run[3 * k]));
                     if markers == 0xcdcd_cdcd_cdcd_cdcd {
-                        out.extend((0..8).map(|k| {
+                        // An array then one copy: `extend` over the map was an out-of-line
+                        // call per run (13 % of ingest on the real capture).
+                        let ids: [u32; 8] = std::array::from_fn(|k| {
                             u32::from(u16::from_be_bytes([run[3 * k + 1], run[3 * k + 2]]))
-                        }));
+                        });
+                        out.extend_from_slice(&ids);
                         buf = &buf[24..];
                         left -= 8;
                         continue;
