@@ -26,8 +26,9 @@
 //!   computed again) and scc removes lazily: a remove followed by an insert into the same
 //!   bucket made the insert clean the bucket of removed entries, 12 % of ingest under constant
 //!   eviction. Empty entries are swept (all stripes held, one `retain` pass) once they are more
-//!   than [`SWEEP_MIN`] and outnumber the live ones, so at most about half the map is empty. A slot is taken by a store when it first holds a block
-//!   and given back (its bits cleared) when the store is cleared for good or dropped.
+//!   than [`SWEEP_MIN`] and outnumber the live ones, so at most about half the map is empty.
+//!   A slot is taken by a store when it first holds a block and given back (its bits cleared)
+//!   when the store is cleared for good or dropped.
 //! * **Memo validity.** Every write batch bumps [`Fleet::version`] after it is done; a kept walk
 //!   is reused only for the same chain (its length and last hash, which names the whole prefix)
 //!   at the same version, so it is never staler than the decision that made it.

@@ -360,7 +360,7 @@ impl<'a> Cursor<'a> {
         // - otherwise two ids come from one 16-byte load, the second marker found by shifting
         //   the word, not by loading again; lengths and values are computed without a branch
         //   on the encoding (mixed at random in a 128k vocabulary);
-        // - otherwise one id through the marker table.
+        // - otherwise one id, the same branch-free way.
         // Anything else (and the last few bytes) goes through the general integer reader.
         let mut buf = self.buf;
         let mut left = n;

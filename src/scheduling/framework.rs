@@ -148,8 +148,9 @@ pub trait Plugin: Send + Sync {
     fn refresh_metrics(&self) {}
     /// The plugin instance this one works through instead of keeping state of its own, named
     /// in its parameters: `(parameter, instance name)`. The profile builder hands that
-    /// instance over with [`Plugin::link`] after every plugin is built (and again on each
-    /// reload), and refuses a profile that uses this plugin without the other one.
+    /// instance over with [`Plugin::link`] once, when this instance is built (a reload that
+    /// rebuilds the other one rebuilds this one too), and refuses a profile that uses this
+    /// plugin without the other one.
     fn link_target(&self) -> Option<(&'static str, &str)> {
         None
     }

@@ -39,9 +39,8 @@
 //!   scorers this way; before, it kept two identical indexes, hashed every prompt twice and
 //!   counted every pick twice in `inferlb_prefix_match_ratio`.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use arc_swap::ArcSwapOption;
 use serde::Deserialize;
 
 use crate::config::ConfigError;
@@ -84,11 +83,11 @@ impl Default for Params {
 /// Where the scorer's prefix matches come from.
 enum Matcher {
     Own(PrefixCacheScorer),
-    /// A `prefix-cache-scorer` instance of the profile, set by [`Plugin::link`] (again on
-    /// every reload, as that instance may have been rebuilt while this one was kept).
+    /// A `prefix-cache-scorer` instance of the profile, set once by [`Plugin::link`] when
+    /// the profile is built (a reload that rebuilds that instance rebuilds this one too).
     Shared {
         target: String,
-        scorer: ArcSwapOption<Arc<dyn Scorer>>,
+        scorer: OnceLock<Arc<dyn Scorer>>,
     },
 }
 
@@ -125,7 +124,7 @@ impl PrefillCostScorer {
             )?),
             PrefixParam::Shared(target) => Matcher::Shared {
                 target,
-                scorer: ArcSwapOption::empty(),
+                scorer: OnceLock::new(),
             },
         };
         Ok(PrefillCostScorer {
@@ -142,8 +141,7 @@ impl PrefillCostScorer {
         match &self.prefix {
             Matcher::Own(own) => Some(f(own)),
             Matcher::Shared { scorer, .. } => {
-                let guard = scorer.load();
-                let shared = guard.as_ref()?;
+                let shared = scorer.get()?;
                 shared.as_any().downcast_ref::<PrefixCacheScorer>().map(f)
             }
         }
@@ -225,8 +223,9 @@ impl Plugin for PrefillCostScorer {
             PluginInstance::Scorer(s)
                 if s.as_any().downcast_ref::<PrefixCacheScorer>().is_some() =>
             {
-                scorer.store(Some(Arc::new(Arc::clone(s))));
-                Ok(())
+                scorer
+                    .set(Arc::clone(s))
+                    .map_err(|_| format!("already linked to `{name}`"))
             }
             _ => Err(format!(
                 "`{name}` is not a `{}` instance",
