@@ -19,6 +19,7 @@
 //! pieces and concatenating the ids equals tokenizing the whole (see [`cuts`]): the seam for
 //! caching a repeated prefix's ids.
 
+pub mod byte_level;
 pub mod chat;
 pub mod cuts;
 pub mod template;
@@ -80,6 +81,8 @@ pub struct HfTokenizer {
     /// `bos_token`, `eos_token`, … as the template sees them (transformers' `special_tokens_map`).
     special_tokens: Vec<(String, String)>,
     cutter: Option<cuts::Cutter>,
+    /// The direct encoder, when the tokenizer has its shape ([`byte_level`]).
+    direct: Option<byte_level::ByteLevelBpe>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -197,11 +200,13 @@ impl HfTokenizer {
         };
         let templates = template::Templates::new(sources)?;
         let cutter = cuts::Cutter::new(&tokenizer);
+        let direct = byte_level::ByteLevelBpe::new(&tokenizer);
         Ok(HfTokenizer {
             tokenizer,
             templates,
             special_tokens,
             cutter,
+            direct,
         })
     }
 
@@ -212,6 +217,24 @@ impl HfTokenizer {
 
     /// Tokenize `text`, with the post-processor's special tokens (BOS) when asked.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match &self.direct {
+            Some(d) => d.encode(&self.tokenizer, text, add_special_tokens),
+            None => self.encode_reference(text, add_special_tokens),
+        }
+    }
+
+    /// Whether [`HfTokenizer::encode`] runs the direct encoder ([`byte_level`]) rather than
+    /// `tokenizers`' pipeline.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// The ids `tokenizers`' own pipeline gives (what [`HfTokenizer::encode`] must equal).
+    pub fn encode_reference(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let enc = self
             .tokenizer
             .encode_fast(text, add_special_tokens)

@@ -270,3 +270,116 @@ fn content_format_detection() {
         ContentFormat::String
     );
 }
+
+/// A hostile alphabet for the differential tests: every class GPT-2's pattern tells apart,
+/// the characters its rules turn on (U+0020 against other spaces, the apostrophe and the
+/// contraction letters), non-ASCII letters, numbers, spaces and marks, and the fixture's added
+/// tokens whole and broken.
+const ALPHABET: &[&str] = &[
+    "a", "b", "s", "t", "re", "ve", "ll", "m", "d", "Z", "0", "7", " ", " ", "  ", "\n", "\t",
+    "\r\n", "\u{b}", "\u{c}", "\u{1c}", "\u{85}", "\u{a0}", "\u{2028}", "\u{3000}", "'", "'", "!",
+    "?", ".", ",", "-", "_", "\"", "é", "ß", "中文", "٣", "Ⅻ", "½", "\u{301}", "🙂", "\u{200d}",
+    "\u{fe0f}", "ǅ", "<|user|>", "<|end|>", "<s>", "</s>", "<|", "|>", "<", "\0", "\u{7f}",
+];
+
+/// Deterministic random strings over [`ALPHABET`] (xorshift; 1..=40 symbols each).
+fn hostile_strings(n: usize, mut seed: u64) -> Vec<String> {
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    (0..n)
+        .map(|_| {
+            let len = 1 + (next() % 40) as usize;
+            (0..len)
+                .map(|_| ALPHABET[(next() % ALPHABET.len() as u64) as usize])
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_direct_encoder_gives_the_ids_of_tokenizers_own_pipeline() {
+    let tok = tiny();
+    assert!(tok.is_direct(), "the fixture is a byte-level BPE tokenizer");
+    let mut texts = hostile_strings(5_000, 0x9E37_79B9_7F4A_7C15);
+    texts.push(String::new());
+    texts.push(std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap());
+    texts.push(std::fs::read_to_string(fixture_dir().join("../tiny-llama-golden.json")).unwrap());
+    for text in &texts {
+        for special in [false, true] {
+            assert_eq!(
+                tok.encode(text, special).unwrap(),
+                tok.encode_reference(text, special).unwrap(),
+                "text {text:?}, add_special_tokens {special}"
+            );
+        }
+    }
+}
+
+/// The fixture's tokenizer.json with `edit` applied, in a temp model directory.
+fn with_tokenizer_edit(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> HfTokenizer {
+    let dir = std::env::temp_dir().join(format!("hf-tokenize-edit-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture_dir().join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    edit(&mut json);
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    std::fs::copy(
+        fixture_dir().join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let t = HfTokenizer::from_dir(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+    t.unwrap()
+}
+
+#[test]
+fn normalized_added_tokens_are_matched_inside_the_raw_pieces() {
+    // Two added tokens matched on the normalized text (no normalizer: the same text), one of
+    // them overlapping a raw one, so the order of the two scans shows.
+    let tok = with_tokenizer_edit("normalized", |j| {
+        let added = j["added_tokens"].as_array_mut().unwrap();
+        for (id, content) in [(2048, "hello"), (2049, "end|>x")] {
+            added.push(
+                serde_json::json!({"id": id, "content": content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": true, "special": false}),
+            );
+        }
+    });
+    assert!(tok.is_direct());
+    let mut texts = hostile_strings(2_000, 7);
+    texts.extend(["hello<|end|>x hellohello".into(), "<|end|>xhello".into()]);
+    for text in texts.iter().map(|t| t.replace('b', "hello")) {
+        assert_eq!(
+            tok.encode(&text, false).unwrap(),
+            tok.encode_reference(&text, false).unwrap(),
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn other_shapes_keep_tokenizers_pipeline() {
+    let lower = with_tokenizer_edit("lowercase", |j| {
+        j["normalizer"] = serde_json::json!({"type": "Lowercase"});
+    });
+    let prefix = with_tokenizer_edit("prefix-space", |j| {
+        j["pre_tokenizer"]["add_prefix_space"] = true.into();
+    });
+    let lstrip = with_tokenizer_edit("lstrip", |j| {
+        j["added_tokens"][6]["lstrip"] = true.into();
+    });
+    for tok in [&lower, &prefix, &lstrip] {
+        assert!(!tok.is_direct());
+        assert_eq!(
+            tok.encode("Hello <|end|> World", false).unwrap(),
+            tok.encode_reference("Hello <|end|> World", false).unwrap()
+        );
+    }
+}
