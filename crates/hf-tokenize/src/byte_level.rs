@@ -1,5 +1,5 @@
-//! A direct encoder for GPT-2-style byte-level BPE tokenizers: the same ids as `tokenizers`'
-//! `encode`, without its offset-tracking machinery.
+//! A direct encoder for byte-level BPE tokenizers of the GPT-2, Llama 3 and Qwen2 families:
+//! the same ids as `tokenizers`' `encode`, without its offset-tracking machinery.
 //!
 //! Why. A precise routing decision tokenizes the new part of every prompt, and in `tokenizers`
 //! most of that time is not BPE: a 32k-character chat decision spent 25 % in the pre-tokenizer's
@@ -9,15 +9,19 @@
 //!
 //! 1. **Added tokens**: the text is split on the added tokens whose `normalized` flag is false
 //!    (one leftmost-longest Aho-Corasick scan), then each remaining piece on the `normalized`
-//!    ones — the two scans `tokenizers` makes (no normalizer here, so the normalized text is the
-//!    text). A match is its token's id.
-//! 2. **Pre-tokenizer** (`ByteLevel` with `use_regex`): each piece is cut where GPT-2's pattern
-//!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+` cuts it,
-//!    by a hand-written scanner over character classes ([`split_gpt2`]). Leftmost-first
-//!    alternation gives these rules at each position: a contraction; else an optional U+0020
-//!    and a run of letters, of numbers, or of "other" characters; else a whitespace run, less
-//!    its last character when a non-space follows it and the run is longer than one (the
-//!    lookahead's backtrack).
+//!    ones — the two scans `tokenizers` makes. A match is its token's id. With no normalizer
+//!    the normalized text is the text; with NFC (Qwen2's) it is too when the piece is already
+//!    NFC (`is_nfc`, the crate `tokenizers` normalizes with), and a text with a piece that is
+//!    not goes to `tokenizers` whole.
+//! 2. **Pre-tokenizer**: each piece is cut where the split pattern cuts it, by a hand-written
+//!    scanner over character classes. GPT-2's pattern (`ByteLevel` with `use_regex`,
+//!    [`split_gpt2`]) is
+//!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
+//!    Llama 3's and Qwen2's (a `Split` before `ByteLevel` without regex, [`split_llama3`])
+//!    differ in case-insensitive contractions, one non-letter before a letter run, numbers in
+//!    runs of at most 3 (1 for Qwen2) and newlines kept at the end of a run. Leftmost-first
+//!    alternation turns each pattern into a rule per position (see the functions). Any other
+//!    pattern string gets no direct encoder.
 //! 3. **Byte-level map**: every byte of a pre-token becomes GPT-2's printable stand-in
 //!    character.
 //! 4. **BPE**: the tokenizer's own BPE model (`Model::tokenize`, its merges and word cache),
@@ -28,20 +32,23 @@
 //!
 //! Character classes are exact by construction: `\p{L}`, `\p{N}` and `\s` are read from the
 //! regex engine `tokenizers` itself runs (its `SysRegex`), over every Unicode scalar value, once
-//! per process ([`Classes`], ~20 ms); ASCII is then a table lookup, the rest a binary search
-//! over ~1,500 ranges.
+//! per process at load ([`Classes`], ~70 ms); ASCII is then a table lookup, the rest a binary
+//! search over the ranges. Case folding in Llama 3's contractions is Oniguruma's: `ſ` (U+017F)
+//! is an `s`.
 //!
-//! Any other shape — a normalizer, another pre-tokenizer or split pattern, `add_prefix_space`,
+//! Any other shape — another normalizer, pre-tokenizer or split pattern, `add_prefix_space`,
 //! added tokens with `lstrip`/`rstrip`/`single_word`, `encode_special_tokens`, truncation or
 //! padding, a non-BPE model — gets no encoder (`None`) and is encoded by `tokenizers` as before.
-//! The differential tests in `tests.rs` compare both on random text from a hostile alphabet.
+//! Tests (`tests.rs`): the pre-tokens equal the regex engine's matches of each pattern, and the
+//! ids equal `tokenizers`' on random text from a hostile alphabet, for all three families.
 
 use std::sync::OnceLock;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use tokenizers::models::ModelWrapper;
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::{Encoding, Model, Tokenizer};
+use unicode_normalization_alignments::is_nfc;
 
 use crate::TokenizeError;
 
@@ -184,6 +191,106 @@ fn split_gpt2<'t>(text: &'t str, classes: &Classes, mut emit: impl FnMut(&'t str
     }
 }
 
+/// The Llama 3 / Qwen2 pattern's contraction after an apostrophe, case-insensitively as
+/// Oniguruma folds it (`ſ`, U+017F, folds to `s`): its length in bytes, or 0.
+fn contraction_ci(after: &str) -> usize {
+    let fold = |c: char| {
+        if c == '\u{17f}' {
+            's'
+        } else {
+            c.to_ascii_lowercase()
+        }
+    };
+    let mut chars = after.chars();
+    let Some(a) = chars.next() else {
+        return 0;
+    };
+    match (fold(a), chars.next().map(fold)) {
+        // Only ASCII folds to these: two bytes.
+        ('r', Some('e')) | ('v', Some('e')) | ('l', Some('l')) => 2,
+        ('s' | 't' | 'm' | 'd', _) => a.len_utf8(),
+        _ => 0,
+    }
+}
+
+/// Call `emit` with each pre-token of `text` under the pattern Llama 3 (`max_digits` 3) and
+/// Qwen2 (`max_digits` 1) split with:
+/// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
+/// At each position, first match wins: a contraction; a letter run, with one character
+/// before it that is neither `\r`, `\n`, a letter nor a number; up to `max_digits` numbers;
+/// an optional U+0020, a run of others and any `\r`/`\n` after it; else a whitespace run cut
+/// after its last `\r`/`\n` if it has one, else as in GPT-2's pattern.
+fn split_llama3<'t>(
+    text: &'t str,
+    classes: &Classes,
+    max_digits: usize,
+    mut emit: impl FnMut(&'t str),
+) {
+    let run = |s: &str, class: Class| -> usize {
+        s.char_indices()
+            .find(|&(_, ch)| classes.of(ch) != class)
+            .map_or(s.len(), |(off, _)| off)
+    };
+    let mut i = 0;
+    while let Some(rest) = text.get(i..).filter(|r| !r.is_empty()) {
+        if rest.as_bytes()[0] == b'\'' {
+            let n = contraction_ci(&rest[1..]);
+            if n > 0 {
+                emit(&rest[..1 + n]);
+                i += 1 + n;
+                continue;
+            }
+        }
+        let Some((c, w)) = first_char(rest) else {
+            break;
+        };
+        let class = classes.of(c);
+        let next = first_char(&rest[w..]).map(|(c2, _)| classes.of(c2));
+        let take = match class {
+            Class::Letter => run(rest, Class::Letter),
+            _ if class != Class::Number
+                && c != '\r'
+                && c != '\n'
+                && next == Some(Class::Letter) =>
+            {
+                w + run(&rest[w..], Class::Letter)
+            }
+            Class::Number => rest
+                .char_indices()
+                .take(max_digits)
+                .take_while(|&(_, ch)| classes.of(ch) == Class::Number)
+                .last()
+                .map_or(w, |(off, ch)| off + ch.len_utf8()),
+            Class::Other => newline_tail(rest, run(rest, Class::Other)),
+            _ if c == ' ' && next == Some(Class::Other) => {
+                newline_tail(rest, w + run(&rest[w..], Class::Other))
+            }
+            _ => {
+                // Whitespace (`class` is Space here).
+                let end = run(rest, Class::Space);
+                let ws = &rest[..end];
+                if let Some(p) = ws.rfind(['\r', '\n']) {
+                    p + 1
+                } else if end < rest.len() && ws.chars().nth(1).is_some() {
+                    ws.char_indices().last().map_or(end, |(off, _)| off)
+                } else {
+                    end
+                }
+            }
+        };
+        emit(&rest[..take]);
+        i += take;
+    }
+}
+
+/// `end` extended over the `\r` and `\n` bytes that follow it in `s`.
+fn newline_tail(s: &str, end: usize) -> usize {
+    end + s.as_bytes()[end..]
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count()
+}
+
 /// GPT-2's byte → printable character map (the byte-level alphabet).
 fn byte_chars() -> [char; 256] {
     let mut map = ['\0'; 256];
@@ -200,6 +307,52 @@ fn byte_chars() -> [char; 256] {
         map[usize::from(b)] = char::from_u32(code).unwrap_or('\0');
     }
     map
+}
+
+/// Llama 3's split pattern (`Sequence[Split(this, Isolated), ByteLevel(use_regex: false)]`).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's: Llama 3's with one digit a pre-token.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Which pattern the pre-tokenizer splits with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pattern {
+    Gpt2,
+    Llama3 { max_digits: usize },
+}
+
+impl Pattern {
+    /// The pattern of a `ByteLevel(use_regex)` pre-tokenizer, or of a `Split` of a known
+    /// pattern followed by `ByteLevel(use_regex: false)`; `add_prefix_space` off.
+    fn of(pre: &serde_json::Value) -> Option<Pattern> {
+        let byte_level = |v: &serde_json::Value, regex: bool| {
+            v["type"] == "ByteLevel"
+                && v["add_prefix_space"] == false
+                && v.get("use_regex").and_then(|u| u.as_bool()).unwrap_or(true) == regex
+        };
+        if byte_level(pre, true) {
+            return Some(Pattern::Gpt2);
+        }
+        let seq = pre
+            .get("pretokenizers")
+            .and_then(|s| s.as_array())
+            .filter(|_| pre["type"] == "Sequence")?;
+        let [split, bl] = seq.as_slice() else {
+            return None;
+        };
+        if split["type"] != "Split"
+            || split["behavior"] != "Isolated"
+            || split["invert"] != false
+            || !byte_level(bl, false)
+        {
+            return None;
+        }
+        match split["pattern"]["Regex"].as_str()? {
+            LLAMA3_PATTERN => Some(Pattern::Llama3 { max_digits: 3 }),
+            QWEN2_PATTERN => Some(Pattern::Llama3 { max_digits: 1 }),
+            _ => None,
+        }
+    }
 }
 
 /// One scan of the added tokens: the matcher and each pattern's id.
@@ -226,6 +379,9 @@ impl AddedScan {
 
 /// The direct encoder of one tokenizer (see the module doc).
 pub struct ByteLevelBpe {
+    pattern: Pattern,
+    /// An NFC normalizer: a piece that is not already NFC sends the text to `tokenizers`.
+    nfc: bool,
     raw: Option<AddedScan>,
     normalized: Option<AddedScan>,
     /// The post-processor's ids before and after a single sequence.
@@ -238,17 +394,18 @@ pub struct ByteLevelBpe {
 impl ByteLevelBpe {
     /// The encoder for `tok`, or `None` when `tok` is not of the shape this module reproduces.
     pub fn new(tok: &Tokenizer) -> Option<ByteLevelBpe> {
-        if tok.get_normalizer().is_some()
-            || tok.get_truncation().is_some()
+        if tok.get_truncation().is_some()
             || tok.get_padding().is_some()
             || tok.get_encode_special_tokens()
         {
             return None;
         }
-        match tok.get_pre_tokenizer() {
-            Some(PreTokenizerWrapper::ByteLevel(b)) if b.use_regex && !b.add_prefix_space => {}
-            _ => return None,
-        }
+        let nfc = match tok.get_normalizer() {
+            None => false,
+            Some(NormalizerWrapper::NFC(_)) => true,
+            Some(_) => return None,
+        };
+        let pattern = Pattern::of(&serde_json::to_value(tok.get_pre_tokenizer()?).ok()?)?;
         let ModelWrapper::BPE(_) = tok.get_model() else {
             return None;
         };
@@ -269,6 +426,9 @@ impl ByteLevelBpe {
                 continue;
             }
             if t.normalized {
+                if nfc && !is_nfc(&t.content) {
+                    return None;
+                }
                 normalized.push((&t.content, *id));
             } else {
                 raw.push((&t.content, *id));
@@ -276,6 +436,8 @@ impl ByteLevelBpe {
         }
         let (special_before, special_after) = special_frame(tok)?;
         Some(ByteLevelBpe {
+            pattern,
+            nfc,
             raw: AddedScan::new(raw)?,
             normalized: AddedScan::new(normalized)?,
             special_before,
@@ -285,13 +447,15 @@ impl ByteLevelBpe {
         })
     }
 
-    /// `tok`'s ids of `text` (`tok` the tokenizer this encoder was made from).
+    /// `tok`'s ids of `text` (`tok` the tokenizer this encoder was made from); `None` when
+    /// the normalizer would change the text (NFC on text that is not), which only `tokenizers`
+    /// reproduces.
     pub fn encode(
         &self,
         tok: &Tokenizer,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<Vec<u32>, TokenizeError> {
+    ) -> Result<Option<Vec<u32>>, TokenizeError> {
         let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return Err(TokenizeError::Tokenizer("not a BPE model".into()));
         };
@@ -301,29 +465,42 @@ impl ByteLevelBpe {
         }
         let mut mapped = String::new();
         let mut failed: Option<String> = None;
-        let mut piece = |p: &str, ids: &mut Vec<u32>| {
-            split_gpt2(p, self.classes, |word| {
-                if failed.is_some() {
-                    return;
-                }
-                mapped.clear();
-                mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
-                match bpe.tokenize(&mapped) {
-                    Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
-                    Err(e) => failed = Some(e.to_string()),
-                }
-            })
+        let mut word = |word: &str, ids: &mut Vec<u32>| {
+            if failed.is_some() {
+                return;
+            }
+            mapped.clear();
+            mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
+            match bpe.tokenize(&mapped) {
+                Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
+                Err(e) => failed = Some(e.to_string()),
+            }
         };
+        let mut piece = |p: &str, ids: &mut Vec<u32>| match self.pattern {
+            Pattern::Gpt2 => split_gpt2(p, self.classes, |w| word(w, ids)),
+            Pattern::Llama3 { max_digits } => {
+                split_llama3(p, self.classes, max_digits, |w| word(w, ids))
+            }
+        };
+        let mut normalizes = false;
         split_added(text, self.raw.as_ref(), &mut ids, |gap, ids| {
-            split_added(gap, self.normalized.as_ref(), ids, &mut piece)
+            if self.nfc && !is_nfc(gap) {
+                normalizes = true;
+            }
+            if !normalizes {
+                split_added(gap, self.normalized.as_ref(), ids, &mut piece)
+            }
         });
+        if normalizes {
+            return Ok(None);
+        }
         if let Some(e) = failed {
             return Err(TokenizeError::Tokenizer(e));
         }
         if add_special_tokens {
             ids.extend_from_slice(&self.special_after);
         }
-        Ok(ids)
+        Ok(Some(ids))
     }
 }
 
@@ -379,6 +556,28 @@ fn special_frame(tok: &Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
     }
     Some((ids[..at].to_vec(), ids[at + 1..].to_vec()))
 }
+
+/// The pre-tokens of `text` under GPT-2's pattern, or Llama 3's with `max_digits`.
+#[cfg(test)]
+pub(crate) fn pre_tokens(text: &str, llama3_digits: Option<usize>) -> Vec<&str> {
+    let mut out = Vec::new();
+    match llama3_digits {
+        None => split_gpt2(text, Classes::get(), |w| out.push(w)),
+        Some(d) => split_llama3(text, Classes::get(), d, |w| out.push(w)),
+    }
+    out
+}
+
+/// The patterns, for tests that run them on the regex engine.
+#[cfg(test)]
+pub(crate) const PATTERNS: [(&str, Option<usize>); 3] = [
+    (
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+        None,
+    ),
+    (LLAMA3_PATTERN, Some(3)),
+    (QWEN2_PATTERN, Some(1)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -217,10 +217,12 @@ impl HfTokenizer {
 
     /// Tokenize `text`, with the post-processor's special tokens (BOS) when asked.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        match &self.direct {
-            Some(d) => d.encode(&self.tokenizer, text, add_special_tokens),
-            None => self.encode_reference(text, add_special_tokens),
+        if let Some(d) = &self.direct {
+            if let Some(ids) = d.encode(&self.tokenizer, text, add_special_tokens)? {
+                return Ok(ids);
+            }
         }
+        self.encode_reference(text, add_special_tokens)
     }
 
     /// Whether [`HfTokenizer::encode`] runs the direct encoder ([`byte_level`]) rather than

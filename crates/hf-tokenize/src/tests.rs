@@ -279,7 +279,8 @@ const ALPHABET: &[&str] = &[
     "a", "b", "s", "t", "re", "ve", "ll", "m", "d", "Z", "0", "7", " ", " ", "  ", "\n", "\t",
     "\r\n", "\u{b}", "\u{c}", "\u{1c}", "\u{85}", "\u{a0}", "\u{2028}", "\u{3000}", "'", "'", "!",
     "?", ".", ",", "-", "_", "\"", "é", "ß", "中文", "٣", "Ⅻ", "½", "\u{301}", "🙂", "\u{200d}",
-    "\u{fe0f}", "ǅ", "<|user|>", "<|end|>", "<s>", "</s>", "<|", "|>", "<", "\0", "\u{7f}",
+    "\u{fe0f}", "ǅ", "ſ", "\u{212a}", "S", "T", "RE", "Ve", "lL", "D", "\r", "123", "45678",
+    "e\u{301}", "Å", "<|user|>", "<|end|>", "<s>", "</s>", "<|", "|>", "<", "\0", "\u{7f}",
 ];
 
 /// Deterministic random strings over [`ALPHABET`] (xorshift; 1..=40 symbols each).
@@ -298,6 +299,25 @@ fn hostile_strings(n: usize, mut seed: u64) -> Vec<String> {
                 .collect()
         })
         .collect()
+}
+
+/// The direct encoder's pre-tokens are the regex engine's matches of each pattern, on random
+/// text from the hostile alphabet (the fixture's small vocabulary hides many split errors in
+/// the ids, so the splits are compared themselves).
+#[test]
+fn pre_tokens_are_the_regex_engine_s_matches() {
+    let texts = hostile_strings(10_000, 0x2545_F491_4F6C_DD1D);
+    for (pattern, digits) in byte_level::PATTERNS {
+        let re = tokenizers::utils::SysRegex::new(pattern).unwrap();
+        for text in &texts {
+            let want: Vec<&str> = re.find_iter(text).map(|(s, e)| &text[s..e]).collect();
+            assert_eq!(
+                byte_level::pre_tokens(text, digits),
+                want,
+                "pattern {pattern}, text {text:?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -339,6 +359,37 @@ fn with_tokenizer_edit(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> 
     t.unwrap()
 }
 
+/// The fixture's vocabulary under Llama 3's and Qwen2's pre-tokenizers (Qwen2's with its NFC
+/// normalizer): the direct encoder's split must be theirs.
+#[test]
+fn llama3_and_qwen2_patterns_give_the_ids_of_tokenizers_own_pipeline() {
+    let llama3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let qwen2 = llama3.replace(r"\p{N}{1,3}", r"\p{N}");
+    for (tag, pattern, normalizer) in [
+        ("llama3", llama3.to_owned(), serde_json::Value::Null),
+        ("qwen2", qwen2, serde_json::json!({"type": "NFC"})),
+    ] {
+        let tok = with_tokenizer_edit(tag, |j| {
+            j["normalizer"] = normalizer;
+            j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                 "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                 "use_regex": false}]});
+        });
+        assert!(tok.is_direct(), "{tag}");
+        let mut texts = hostile_strings(5_000, 0xD1B5_4A32_D192_ED03);
+        texts.push(std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap());
+        for text in &texts {
+            assert_eq!(
+                tok.encode(text, false).unwrap(),
+                tok.encode_reference(text, false).unwrap(),
+                "{tag}: {text:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn normalized_added_tokens_are_matched_inside_the_raw_pieces() {
     // Two added tokens matched on the normalized text (no normalizer: the same text), one of
@@ -375,7 +426,14 @@ fn other_shapes_keep_tokenizers_pipeline() {
     let lstrip = with_tokenizer_edit("lstrip", |j| {
         j["added_tokens"][6]["lstrip"] = true.into();
     });
-    for tok in [&lower, &prefix, &lstrip] {
+    let other_split = with_tokenizer_edit("other-split", |j| {
+        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+|."}, "behavior": "Isolated",
+             "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": false}]});
+    });
+    for tok in [&lower, &prefix, &lstrip, &other_split] {
         assert!(!tok.is_direct());
         assert_eq!(
             tok.encode("Hello <|end|> World", false).unwrap(),
