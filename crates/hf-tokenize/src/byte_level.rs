@@ -15,9 +15,9 @@
 //!    not goes to `tokenizers` whole.
 //! 2. **Pre-tokenizer**: each piece is cut where the split pattern cuts it, by a hand-written
 //!    scanner over character classes. GPT-2's pattern (`ByteLevel` with `use_regex`,
-//!    [`split_gpt2`]) is
+//!    `split_gpt2`) is
 //!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
-//!    Llama 3's and Qwen2's (a `Split` before `ByteLevel` without regex, [`split_llama3`])
+//!    Llama 3's and Qwen2's (a `Split` before `ByteLevel` without regex, `split_llama3`)
 //!    differ in case-insensitive contractions, one non-letter before a letter run, numbers in
 //!    runs of at most 3 (1 for Qwen2) and newlines kept at the end of a run. Leftmost-first
 //!    alternation turns each pattern into a rule per position (see the functions). Any other
@@ -32,7 +32,7 @@
 //!
 //! Character classes are exact by construction: `\p{L}`, `\p{N}` and `\s` are read from the
 //! regex engine `tokenizers` itself runs (its `SysRegex`), over every Unicode scalar value, once
-//! per process at load ([`Classes`], ~70 ms); ASCII is then a table lookup, the rest a binary
+//! per process at load (`Classes`, ~70 ms); ASCII is then a table lookup, the rest a binary
 //! search over the ranges. Case folding in Llama 3's contractions is Oniguruma's: `ſ` (U+017F)
 //! is an `s`.
 //!
