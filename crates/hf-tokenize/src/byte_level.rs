@@ -42,7 +42,7 @@
 //! Tests (`tests.rs`): the pre-tokens equal the regex engine's matches of each pattern, and the
 //! ids equal `tokenizers`' on random text from a hostile alphabet, for all three families.
 
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use tokenizers::models::ModelWrapper;
@@ -377,8 +377,22 @@ impl AddedScan {
     }
 }
 
+/// Words the cache keeps at most, and the longest word it keeps (bytes): worst case ~10 MB.
+const WORD_CACHE_WORDS: usize = 32_768;
+const WORD_CACHE_MAX_BYTES: usize = 64;
+
+/// Pre-tokens already merged: the raw bytes → their ids. BPE of a word depends on the word
+/// alone, so a hit is exact. `tokenizers` has a word cache too, but a hit there clones the
+/// word and allocates a `String` per token (14 % of a cold 32k-character decision, plus the
+/// allocator's share); here a hit copies ids. An encode holds the read lock throughout and
+/// adds its new words under one write lock at the end; once full, new words are merged every
+/// time (as `tokenizers`' cache does). Keys come from clients: the map hashes with a random
+/// key (`ahash::RandomState`).
+type WordMap = std::collections::HashMap<Box<[u8]>, Box<[u32]>, ahash::RandomState>;
+
 /// The direct encoder of one tokenizer (see the module doc).
 pub struct ByteLevelBpe {
+    words: RwLock<WordMap>,
     pattern: Pattern,
     /// An NFC normalizer: a piece that is not already NFC sends the text to `tokenizers`.
     nfc: bool,
@@ -436,6 +450,7 @@ impl ByteLevelBpe {
         }
         let (special_before, special_after) = special_frame(tok)?;
         Some(ByteLevelBpe {
+            words: RwLock::new(WordMap::default()),
             pattern,
             nfc,
             raw: AddedScan::new(raw)?,
@@ -465,14 +480,30 @@ impl ByteLevelBpe {
         }
         let mut mapped = String::new();
         let mut failed: Option<String> = None;
+        let known = self.words.read().ok();
+        let room = known
+            .as_ref()
+            .map_or(0, |k| WORD_CACHE_WORDS.saturating_sub(k.len()));
+        let mut new_words: Vec<(Box<[u8]>, Box<[u32]>)> = Vec::new();
         let mut word = |word: &str, ids: &mut Vec<u32>| {
             if failed.is_some() {
+                return;
+            }
+            if let Some(hit) = known.as_ref().and_then(|k| k.get(word.as_bytes())) {
+                ids.extend_from_slice(hit);
                 return;
             }
             mapped.clear();
             mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
             match bpe.tokenize(&mapped) {
-                Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
+                Ok(tokens) => {
+                    let start = ids.len();
+                    ids.extend(tokens.iter().map(|t| t.id));
+                    if word.len() <= WORD_CACHE_MAX_BYTES && new_words.len() < room {
+                        let merged = ids.get(start..).unwrap_or_default();
+                        new_words.push((word.as_bytes().into(), merged.into()));
+                    }
+                }
                 Err(e) => failed = Some(e.to_string()),
             }
         };
@@ -491,6 +522,17 @@ impl ByteLevelBpe {
                 split_added(gap, self.normalized.as_ref(), ids, &mut piece)
             }
         });
+        drop(known);
+        if !new_words.is_empty() {
+            if let Ok(mut words) = self.words.write() {
+                for (k, v) in new_words {
+                    if words.len() >= WORD_CACHE_WORDS {
+                        break;
+                    }
+                    words.insert(k, v);
+                }
+            }
+        }
         if normalizes {
             return Ok(None);
         }
@@ -600,6 +642,42 @@ mod tests {
         assert_eq!(split("12ab !?"), ["12", "ab", " !?"]);
         assert_eq!(split("!'s"), ["!'", "s"]);
         assert_eq!(split(" é中 ٣"), [" é中", " ٣"]);
+    }
+
+    #[test]
+    fn the_word_cache_is_bounded_and_its_hits_are_exact() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny-llama/tokenizer.json"
+        );
+        let tok = Tokenizer::from_file(path).unwrap();
+        let enc = ByteLevelBpe::new(&tok).unwrap();
+        // 40,000 distinct letter words, and one longer than the cache keeps.
+        let word = |mut i: usize| {
+            let mut w = String::from(" ");
+            for _ in 0..4 {
+                w.push(char::from(b'a' + (i % 26) as u8));
+                i /= 26;
+            }
+            w
+        };
+        let mut text: String = (0..40_000).map(word).collect();
+        text.push_str(
+            &" x"
+                .repeat(1)
+                .replace('x', &"q".repeat(WORD_CACHE_MAX_BYTES + 1)),
+        );
+        let want = tok
+            .encode_fast(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        for _ in 0..2 {
+            assert_eq!(enc.encode(&tok, &text, false).unwrap().unwrap(), want);
+        }
+        let words = enc.words.read().unwrap();
+        assert_eq!(words.len(), WORD_CACHE_WORDS);
+        assert!(words.keys().all(|k| k.len() <= WORD_CACHE_MAX_BYTES));
     }
 
     #[test]
