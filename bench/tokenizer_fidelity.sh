@@ -3,7 +3,8 @@
 # (CPU, the tiny model of ../shared/real-vllm) — POST /tokenize for chat and completions cases, and
 # the token_ids of vLLM's BlockStored KV events for real chat requests, cut into 128-token blocks.
 #   bench/tokenizer_fidelity.sh [PORT]      (default 18200; starts vLLM with KV_EVENTS=1, stops it after)
-# Output: bench/results/tokenizer-fidelity-2026-12-01.txt is this script's stdout.
+# Output: bench/results/tokenizer-fidelity-2026-12-0{1,2}.txt are this script's stdout (12-02: with
+# the direct encoder of crates/hf-tokenize/src/byte_level.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${1:-18200}

@@ -389,6 +389,7 @@ const WORD_CACHE_MAX_BYTES: usize = 64;
 /// time (as `tokenizers`' cache does). Keys come from clients: the map hashes with a random
 /// key (`ahash::RandomState`).
 type WordMap = std::collections::HashMap<Box<[u8]>, Box<[u32]>, ahash::RandomState>;
+type MergedWord = (Box<[u8]>, Box<[u32]>);
 
 /// The direct encoder of one tokenizer (see the module doc).
 pub struct ByteLevelBpe {
@@ -484,7 +485,7 @@ impl ByteLevelBpe {
         let room = known
             .as_ref()
             .map_or(0, |k| WORD_CACHE_WORDS.saturating_sub(k.len()));
-        let mut new_words: Vec<(Box<[u8]>, Box<[u32]>)> = Vec::new();
+        let mut new_words: Vec<MergedWord> = Vec::new();
         let mut word = |word: &str, ids: &mut Vec<u32>| {
             if failed.is_some() {
                 return;
@@ -623,6 +624,7 @@ pub(crate) const PATTERNS: [(&str, Option<usize>); 3] = [
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn split(text: &str) -> Vec<&str> {
@@ -662,11 +664,8 @@ mod tests {
             w
         };
         let mut text: String = (0..40_000).map(word).collect();
-        text.push_str(
-            &" x"
-                .repeat(1)
-                .replace('x', &"q".repeat(WORD_CACHE_MAX_BYTES + 1)),
-        );
+        text.push(' ');
+        text.push_str(&"q".repeat(WORD_CACHE_MAX_BYTES + 1));
         let want = tok
             .encode_fast(text.as_str(), false)
             .unwrap()
