@@ -6,6 +6,8 @@
 //! * completion (a text prompt, special tokens on): cold and warm — completions have no safe
 //!   cut unless the text contains an added token, so "warm" shows the cache costs nothing there.
 //!
+//! * unseen words: text of random letter strings, no word ever repeated (BPE merging itself).
+//!
 //! `cargo bench --all-features --bench tokenize` (add `-- --quick` for a fast pass).
 
 /// The binary's allocator (tokenization allocates a lot; glibc's malloc would overstate it).
@@ -108,5 +110,43 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench, completions);
+/// Text whose words were never seen: every word a fresh random string of 2-9 letters, so no
+/// word cache (ours or `tokenizers`') can help — the cost of BPE merging itself, the worst
+/// case for text. The prefix cache is off.
+fn unseen_words(c: &mut Criterion) {
+    let t = load(0);
+    let mut g = c.benchmark_group("tokenize_unseen_words");
+    let seed = AtomicU64::new(0x2545_f491_4f6c_dd1d);
+    for chars in [1_000usize, 8_000, 32_000] {
+        g.bench_with_input(
+            BenchmarkId::new("completion", chars),
+            &chars,
+            |b, &chars| {
+                b.iter_batched(
+                    || {
+                        let mut x = seed.fetch_add(0x9e37_79b9, Ordering::Relaxed) | 1;
+                        let mut text = String::with_capacity(chars + 16);
+                        while text.len() < chars {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            for k in 0..2 + x % 8 {
+                                text.push(char::from(b'a' + ((x >> (5 * k + 8)) % 26) as u8));
+                            }
+                            text.push(' ');
+                        }
+                        serde_json::json!({"model": "m", "prompt": text})
+                            .to_string()
+                            .into_bytes()
+                    },
+                    |req| fill(&t, Operation::Completions, &req),
+                    criterion::BatchSize::SmallInput,
+                )
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, completions, unseen_words);
 criterion_main!(benches);

@@ -43,6 +43,8 @@ pub const PREFIX_INDEX_BLOCKS: &str = "inferlb_prefix_index_blocks";
 pub const CONFIG_RELOADS: &str = "inferlb_config_reloads_total";
 pub const DISCOVERY_ERRORS: &str = "inferlb_discovery_errors_total";
 pub const TOKENIZE_SKIPPED_TOTAL: &str = "inferlb_tokenize_skipped_total";
+pub const TOKENIZE_DURATION: &str = "inferlb_tokenize_duration_seconds";
+pub const TOKENIZE_TOKENS: &str = "inferlb_tokenize_tokens_total";
 pub const BACKENDS: &str = "inferlb_backends";
 pub const REQUESTS_QUEUED: &str = "inferlb_requests_queued";
 pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
@@ -80,6 +82,8 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (CONFIG_RELOADS, "Configuration reloads (SIGHUP or a change of the --config file), by result (ok, error)."),
     (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
     (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer; no_live_stream: no backend had a live KV-event stream, so tokenizing was skipped)."),
+    (TOKENIZE_DURATION, "Time to compute one request's prompt token ids (render the chat template, tokenize), by operation (chat, completions)."),
+    (TOKENIZE_TOKENS, "Prompt token ids computed for requests, by where they came from (prefix_cache: a cached prefix of an earlier request; tokenizer: tokenized for this request)."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),
     (REQUESTS_QUEUED, "Requests waiting in the router's queue for capacity (router-wide limit or a per-backend in-flight slot)."),
     (QUEUE_WAIT, "Time requests waited in the router's queue for a backend slot before being dispatched or refused, by priority class."),
@@ -122,12 +126,19 @@ pub fn prometheus(idle: Duration) -> Option<PrometheusHandle> {
                 0.001,
                 0.005,
             ];
+            let tokenize = [
+                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+                0.01, 0.025, 0.05, 0.1,
+            ];
             let ratio = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0];
             let builder = PrometheusBuilder::new()
                 .idle_timeout(MetricKindMask::GAUGE, Some(idle))
                 .set_buckets_for_metric(Matcher::Full(SCHEDULING_DURATION.into()), &micro)
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(PREFIX_MATCH_RATIO.into()), &ratio)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(TOKENIZE_DURATION.into()), &tokenize)
                 })
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)

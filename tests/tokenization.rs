@@ -232,6 +232,33 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
         );
     }
 
+    // The same chat again: its earlier turns come from the prefix cache. /metrics shows the
+    // time per operation and where the ids came from.
+    let again = post_explained(&format!("{base}/v1/chat/completions"), &chat).await;
+    assert_eq!(again.status(), 200);
+    let metrics = common::metrics_at(&router.addr).await;
+    let value = |series: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let chat_len = tok.chat_ids(chat.to_string().as_bytes()).unwrap().len() as f64;
+    assert_eq!(
+        value("inferlb_tokenize_duration_seconds_count{operation=\"chat\"}"),
+        2.0
+    );
+    assert_eq!(
+        value("inferlb_tokenize_duration_seconds_count{operation=\"completions\"}"),
+        1.0
+    );
+    let cached = value("inferlb_tokenize_tokens_total{from=\"prefix_cache\"}");
+    let tokenized = value("inferlb_tokenize_tokens_total{from=\"tokenizer\"}");
+    assert!(cached > 0.0 && cached < chat_len, "{cached} of {chat_len}");
+    assert!(tokenized >= chat_len, "{tokenized}");
+
     // A multimodal part cannot be tokenized here: routed without tokens, still served.
     let image = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}]});

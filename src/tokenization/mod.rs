@@ -18,7 +18,8 @@ pub mod prefix_cache;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use hf_tokenize::{ChatRequest, HfTokenizer, TokenizeError};
 use serde::Deserialize;
@@ -56,6 +57,28 @@ pub struct ModelTokenizer {
 pub struct Tokenizers {
     default: Option<Arc<ModelTokenizer>>,
     by_model: BTreeMap<String, Arc<ModelTokenizer>>,
+    meters: OnceLock<Meters>,
+}
+
+/// The per-request tokenization series, resolved on the first request (the recorder is
+/// installed by then) instead of by label set on every one.
+struct Meters {
+    chat: metrics::Histogram,
+    completions: metrics::Histogram,
+    from_cache: metrics::Counter,
+    tokenized: metrics::Counter,
+}
+
+impl Meters {
+    fn new() -> Meters {
+        use crate::telemetry::{TOKENIZE_DURATION, TOKENIZE_TOKENS};
+        Meters {
+            chat: metrics::histogram!(TOKENIZE_DURATION, "operation" => "chat"),
+            completions: metrics::histogram!(TOKENIZE_DURATION, "operation" => "completions"),
+            from_cache: metrics::counter!(TOKENIZE_TOKENS, "from" => "prefix_cache"),
+            tokenized: metrics::counter!(TOKENIZE_TOKENS, "from" => "tokenizer"),
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokenizers {
@@ -91,7 +114,11 @@ impl Tokenizers {
         for (model, dir) in &cfg.models {
             by_model.insert(model.clone(), get(dir)?);
         }
-        Ok(Tokenizers { default, by_model })
+        Ok(Tokenizers {
+            default,
+            by_model,
+            meters: OnceLock::new(),
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -135,16 +162,26 @@ impl Tokenizers {
         let Some(t) = self.for_model(view.model.as_deref()) else {
             return;
         };
+        let started = Instant::now();
         let ids = match (view.operation, &view.tokens) {
             (Operation::ChatCompletions, _) => t.chat_ids(body),
-            (Operation::Completions, None) => t.tok.completion_ids(body),
+            (Operation::Completions, None) => t.tok.completion_ids(body).map(|ids| (ids, 0)),
             // Token-id prompts: already known.
             (Operation::Completions, Some(_)) => Err(TokenizeError::Unsupported("token ids")),
             (Operation::Other, _) => return,
         };
         let salt = cache_salt(body);
         match ids {
-            Ok(ids) => {
+            Ok((ids, reused)) => {
+                let m = self.meters.get_or_init(Meters::new);
+                let took = started.elapsed().as_secs_f64();
+                match view.operation {
+                    Operation::ChatCompletions => m.chat.record(took),
+                    _ => m.completions.record(took),
+                }
+                m.from_cache.increment(reused as u64);
+                m.tokenized
+                    .increment(ids.len().saturating_sub(reused) as u64);
                 view.tokens = Some(Arc::new(PromptTokens {
                     ids,
                     cache_salt: salt,
@@ -174,13 +211,14 @@ impl Tokenizers {
 }
 
 impl ModelTokenizer {
-    /// A chat body's ids, reusing the cached ids of its longest known prefix.
-    pub fn chat_ids(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+    /// A chat body's ids, reusing the cached ids of its longest known prefix, and how many
+    /// of them (a prefix) came from that cache.
+    pub fn chat_ids(&self, body: &[u8]) -> Result<(Vec<u32>, usize), TokenizeError> {
         let req = ChatRequest::from_body(body)?;
         let text = self.tok.render_chat(&req)?;
         match self.tok.safe_cuts(&text) {
             Some(cuts) if !cuts.is_empty() => self.cache.encode(&self.tok, &text, &cuts),
-            _ => self.tok.encode(&text, false),
+            _ => Ok((self.tok.encode(&text, false)?, 0)),
         }
     }
 

@@ -45,15 +45,16 @@ impl PrefixCache {
         PrefixCache { cache }
     }
 
-    /// `tok`'s ids of `text` (special tokens off), given its safe cuts (ascending).
+    /// `tok`'s ids of `text` (special tokens off), given its safe cuts (ascending), and how
+    /// many of them (a prefix) came from the cache.
     pub fn encode(
         &self,
         tok: &HfTokenizer,
         text: &str,
         cuts: &[usize],
-    ) -> Result<Vec<u32>, TokenizeError> {
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
         let Some(cache) = &self.cache else {
-            return tok.encode(text, false);
+            return Ok((tok.encode(text, false)?, 0));
         };
         let keys = chain_keys(text, cuts);
         // The longest cached prefix.
@@ -66,6 +67,7 @@ impl PrefixCache {
             Some((i, e)) => (Some(*i), e.ids.get(..e.len).unwrap_or_default().to_vec()),
             None => (None, Vec::new()),
         };
+        let reused = ids.len();
         let from = start_cut.map_or(0, |i| cuts[i]);
         let later: Vec<usize> = match start_cut {
             Some(i) => (i + 1..cuts.len()).collect(),
@@ -94,7 +96,7 @@ impl PrefixCache {
                 );
             }
         }
-        Ok(ids)
+        Ok((ids, reused))
     }
 }
 
@@ -157,17 +159,14 @@ mod tests {
             let text = chat(&tok, serde_json::json!({"messages": messages}));
             let cuts = tok.safe_cuts(&text).unwrap();
             let whole = tok.encode(&text, false).unwrap();
-            assert_eq!(
-                cache.encode(&tok, &text, &cuts).unwrap(),
-                whole,
-                "turn {turn}"
-            );
+            let (ids, reused) = cache.encode(&tok, &text, &cuts).unwrap();
+            assert_eq!(ids, whole, "turn {turn}");
+            // Turn 0 is new; later turns reuse the earlier turns' ids.
+            assert_eq!(reused > 0, turn > 0, "turn {turn}: {reused} reused");
             // Again: now served from the longest cut.
-            assert_eq!(
-                cache.encode(&tok, &text, &cuts).unwrap(),
-                whole,
-                "turn {turn} again"
-            );
+            let (ids, reused) = cache.encode(&tok, &text, &cuts).unwrap();
+            assert_eq!(ids, whole, "turn {turn} again");
+            assert!(reused > 0 && reused < ids.len(), "turn {turn} again");
             messages.push(
                 serde_json::json!({"role": "assistant", "content": format!(" answer {turn} ")}),
             );
@@ -179,7 +178,7 @@ mod tests {
         );
         let cuts = tok.safe_cuts(&text).unwrap();
         assert_eq!(
-            cache.encode(&tok, &text, &cuts).unwrap(),
+            cache.encode(&tok, &text, &cuts).unwrap().0,
             tok.encode(&text, false).unwrap()
         );
         assert!(cache.cache.as_ref().unwrap().iter().count() > 0);
