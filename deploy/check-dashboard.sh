@@ -4,20 +4,27 @@
 # of deploy/grafana/inferlb-dashboard.json is evaluated through Prometheus's HTTP query API
 # ($__rate_interval → 1m). Fails when any query errors or returns no series — so a panel naming
 # a metric nobody exports fails.
-#   deploy/check-dashboard.sh           # uses target/debug binaries (cargo build if missing)
+#   deploy/check-dashboard.sh           # builds and uses the target/debug binaries
 # Ports: 18200 (inferlb), 18201-18203 (simulators), 18290 (Prometheus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
-[ -x target/debug/inferlb ] && [ -x target/debug/vllm-sim ] || cargo build -q --bin inferlb -p vllm-sim
+cargo build -q -p inferlb -p vllm-sim --bins   # always: a stale binary would check old code
 echo "== commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (uncommitted changes)'), $(date -u +%FT%TZ); $(prometheus --version 2>&1 | head -n1)"
 work=$(mktemp -d /tmp/inferlb-dash.XXXX)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
-target/debug/vllm-sim --host 127.0.0.1 --port 18201 --fleet 3 --served-model-name demo-llama --time-scale 0.2 > "$work/sim.log" 2>&1 & pids+=($!)
+# The simulators publish KV-cache events (ports 28201-28203) and tokenize with the fixture's
+# Hugging Face tokenizer; inferlb subscribes (--kv-events auto) and tokenizes with the same one,
+# so the precise-scoring and tokenization panels have data.
+target/debug/vllm-sim --host 127.0.0.1 --port 18201 --fleet 3 --served-model-name demo-llama --time-scale 0.2 \
+    --tokenizer tests/fixtures/tiny-llama \
+    --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:28201","topic":"kv"}' \
+    > "$work/sim.log" 2>&1 & pids+=($!)
 target/debug/inferlb --listen 127.0.0.1:18200 --backend http://127.0.0.1:18201 --backend http://127.0.0.1:18202 \
-    --backend http://127.0.0.1:18203 --log-level warn > "$work/inferlb.log" 2>&1 & pids+=($!)
+    --backend http://127.0.0.1:18203 --tokenizer tests/fixtures/tiny-llama --kv-events auto \
+    --log-level warn > "$work/inferlb.log" 2>&1 & pids+=($!)
 cat > "$work/prometheus.yml" <<YML
 global: { scrape_interval: 1s, evaluation_interval: 1s }
 scrape_configs:
@@ -30,6 +37,11 @@ prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data"
     --web.listen-address=127.0.0.1:18290 > "$work/prometheus.log" 2>&1 & pids+=($!)
 for _ in $(seq 1 150); do curl -fs http://127.0.0.1:18200/ready >/dev/null 2>&1 && curl -fs http://127.0.0.1:18290/-/ready >/dev/null 2>&1 && break; sleep 0.2; done
 curl -fs http://127.0.0.1:18200/ready >/dev/null || { echo "FAIL: inferlb not ready"; cat "$work/inferlb.log"; exit 1; }
+# Tokenizing starts once some backend's event stream is live: wait for all three (bounded).
+for _ in $(seq 1 100); do
+    curl -fs http://127.0.0.1:18200/metrics | grep -q '^inferlb_kv_event_streams{state="live"} 3' && break; sleep 0.2
+done
+curl -fs http://127.0.0.1:18200/metrics | grep '^inferlb_kv_event_streams{state="live"}' || { echo "FAIL: no live KV-event stream"; exit 1; }
 
 echo "== load: 240 chat requests (8 shared system prompts, a quarter streamed, 4 concurrent) + 12 for an unknown model; status codes seen:"
 req() {

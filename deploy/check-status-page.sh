@@ -2,12 +2,12 @@
 # The status page in a real headless Chromium (Debian's package): it renders, shows the
 # backends of a running router, and updates after new requests (two --dump-dom passes with
 # requests between them); writes docs/status-page.png.
-#   deploy/check-status-page.sh          # uses target/debug binaries (cargo build if missing)
+#   deploy/check-status-page.sh          # builds and uses the target/debug binaries
 # Ports: 18300 (inferlb), 18301-18303 (simulators).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-[ -x target/debug/inferlb ] && [ -x target/debug/vllm-sim ] || cargo build -q --bin inferlb -p vllm-sim
+cargo build -q -p inferlb -p vllm-sim --bins   # always: a stale binary would check old code
 echo "== commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src || echo ' (uncommitted changes in src)'), $(date -u +%FT%TZ); $(chromium --version 2>/dev/null)"
 work=$(mktemp -d /tmp/inferlb-page.XXXX)
 pids=()
