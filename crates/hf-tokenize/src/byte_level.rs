@@ -50,6 +50,7 @@ use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::{Encoding, Model, Tokenizer};
 use unicode_normalization_alignments::is_nfc;
 
+use crate::merges::Merges;
 use crate::TokenizeError;
 
 /// The character classes GPT-2's pattern distinguishes.
@@ -355,6 +356,12 @@ impl Pattern {
     }
 }
 
+/// GPT-2's byte alphabet, for the merge tests.
+#[cfg(test)]
+pub(crate) fn byte_alphabet() -> [char; 256] {
+    byte_chars()
+}
+
 /// One scan of the added tokens: the matcher and each pattern's id.
 struct AddedScan {
     matcher: AhoCorasick,
@@ -394,6 +401,8 @@ type MergedWord = (Box<[u8]>, Box<[u32]>);
 /// The direct encoder of one tokenizer (see the module doc).
 pub struct ByteLevelBpe {
     words: RwLock<WordMap>,
+    /// The model's merges by id ([`crate::merges`]), when it has that shape.
+    merges: Option<Merges>,
     pattern: Pattern,
     /// An NFC normalizer: a piece that is not already NFC sends the text to `tokenizers`.
     nfc: bool,
@@ -421,9 +430,11 @@ impl ByteLevelBpe {
             Some(_) => return None,
         };
         let pattern = Pattern::of(&serde_json::to_value(tok.get_pre_tokenizer()?).ok()?)?;
-        let ModelWrapper::BPE(_) = tok.get_model() else {
+        let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return None;
         };
+        let bytes = byte_chars();
+        let merges = Merges::new(bpe, &bytes);
         let added = tok.get_added_tokens_decoder();
         if added
             .values()
@@ -452,13 +463,14 @@ impl ByteLevelBpe {
         let (special_before, special_after) = special_frame(tok)?;
         Some(ByteLevelBpe {
             words: RwLock::new(WordMap::default()),
+            merges,
             pattern,
             nfc,
             raw: AddedScan::new(raw)?,
             normalized: AddedScan::new(normalized)?,
             special_before,
             special_after,
-            bytes: byte_chars(),
+            bytes,
             classes: Classes::get(),
         })
     }
@@ -494,18 +506,25 @@ impl ByteLevelBpe {
                 ids.extend_from_slice(hit);
                 return;
             }
-            mapped.clear();
-            mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
-            match bpe.tokenize(&mapped) {
-                Ok(tokens) => {
-                    let start = ids.len();
-                    ids.extend(tokens.iter().map(|t| t.id));
-                    if word.len() <= WORD_CACHE_MAX_BYTES && new_words.len() < room {
-                        let merged = ids.get(start..).unwrap_or_default();
-                        new_words.push((word.as_bytes().into(), merged.into()));
+            let start = ids.len();
+            let merged_here = self
+                .merges
+                .as_ref()
+                .is_some_and(|m| m.word(word.as_bytes(), ids));
+            if !merged_here {
+                mapped.clear();
+                mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
+                match bpe.tokenize(&mapped) {
+                    Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        return;
                     }
                 }
-                Err(e) => failed = Some(e.to_string()),
+            }
+            if word.len() <= WORD_CACHE_MAX_BYTES && new_words.len() < room {
+                let merged = ids.get(start..).unwrap_or_default();
+                new_words.push((word.as_bytes().into(), merged.into()));
             }
         };
         let mut piece = |p: &str, ids: &mut Vec<u32>| match self.pattern {

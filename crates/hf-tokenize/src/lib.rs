@@ -22,6 +22,7 @@
 pub mod byte_level;
 pub mod chat;
 pub mod cuts;
+pub mod merges;
 pub mod template;
 
 use std::path::{Path, PathBuf};
