@@ -24,8 +24,9 @@
 //!    pattern string gets no direct encoder.
 //! 3. **Byte-level map**: every byte of a pre-token becomes GPT-2's printable stand-in
 //!    character.
-//! 4. **BPE**: the tokenizer's own BPE model (`Model::tokenize`, its merges and word cache),
-//!    so merging cannot differ.
+//! 4. **BPE**: the tokenizer's merges, applied by id ([`crate::merges`], `tokenizers`' rule)
+//!    for words of up to 64 bytes, else by the tokenizer's own BPE model (`Model::tokenize`);
+//!    either way behind a bounded word cache of this module's.
 //!
 //! With `add_special_tokens`, the post-processor's ids around a single sequence are found once
 //! at load (the processor run on a one-token encoding) and added around the ids.
