@@ -10,9 +10,9 @@
 //! 1. **Added tokens**: the text is split on the added tokens whose `normalized` flag is false
 //!    (one leftmost-longest Aho-Corasick scan), then each remaining piece on the `normalized`
 //!    ones — the two scans `tokenizers` makes. A match is its token's id. With no normalizer
-//!    the normalized text is the text; with NFC (Qwen2's) it is too when the piece is already
-//!    NFC (`is_nfc`, the crate `tokenizers` normalizes with), and a text with a piece that is
-//!    not goes to `tokenizers` whole.
+//!    the normalized text is the text; with NFC (Qwen2's) a piece that is not already NFC
+//!    (`is_nfc`) is normalized by the crate `tokenizers` normalizes with, before the second
+//!    scan and the rest.
 //! 2. **Pre-tokenizer**: each piece is cut where the split pattern cuts it, by a hand-written
 //!    scanner over character classes. GPT-2's pattern (`ByteLevel` with `use_regex`,
 //!    `split_gpt2`) is
@@ -34,12 +34,16 @@
 //! Character classes are exact by construction: `\p{L}`, `\p{N}` and `\s` are read from the
 //! regex engine `tokenizers` itself runs (its `SysRegex`), over every Unicode scalar value, once
 //! per process at load (`Classes`, ~70 ms); ASCII is then a table lookup, the rest a binary
-//! search over the ranges. Case folding in Llama 3's contractions is Oniguruma's: `ſ` (U+017F)
-//! is an `s`.
+//! search over the ranges. Case folding in Llama 3's contractions follows Oniguruma's, written
+//! out by hand: `ſ` (U+017F) is an `s`, and no other character folds to one of the contraction
+//! letters (checked over every scalar value by a review, 2026-12-02; the engine-comparison test
+//! has `ſ` and the Kelvin sign in its alphabet).
 //!
 //! Any other shape — another normalizer, pre-tokenizer or split pattern, `add_prefix_space`,
-//! added tokens with `lstrip`/`rstrip`/`single_word`, `encode_special_tokens`, truncation or
-//! padding, a non-BPE model — gets no encoder (`None`) and is encoded by `tokenizers` as before.
+//! added tokens with `lstrip`/`rstrip`/`single_word`, listed twice (`HfTokenizer::from_dir`
+//! checks the file) or with an id the model gives another string, `encode_special_tokens`,
+//! truncation or padding, BPE dropout, a non-BPE model — gets no encoder (`None`) and is
+//! encoded by `tokenizers` as before.
 //! Tests (`tests.rs`): the pre-tokens equal the regex engine's matches of each pattern, and the
 //! ids equal `tokenizers`' on random text from a hostile alphabet, for all three families.
 
@@ -50,6 +54,7 @@ use tokenizers::models::ModelWrapper;
 use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::{Encoding, Model, Tokenizer};
 use unicode_normalization_alignments::is_nfc;
+use unicode_normalization_alignments::UnicodeNormalization;
 
 use crate::merges::Merges;
 use crate::TokenizeError;
@@ -72,13 +77,14 @@ struct Classes {
 }
 
 impl Classes {
-    fn get() -> &'static Classes {
-        static CLASSES: OnceLock<Classes> = OnceLock::new();
-        CLASSES.get_or_init(Classes::read_engine)
+    /// `None` if the engine would not compile a class pattern (then no direct encoder).
+    fn get() -> Option<&'static Classes> {
+        static CLASSES: OnceLock<Option<Classes>> = OnceLock::new();
+        CLASSES.get_or_init(Classes::read_engine).as_ref()
     }
 
     /// Run `\p{L}+`, `\p{N}+` and `\s+` over a string of every scalar value, in order.
-    fn read_engine() -> Classes {
+    fn read_engine() -> Option<Classes> {
         let all: String = (0..=char::MAX as u32).filter_map(char::from_u32).collect();
         let mut found: Vec<(u32, u32, Class)> = Vec::new();
         for (pattern, class) in [
@@ -86,11 +92,7 @@ impl Classes {
             (r"\p{N}+", Class::Number),
             (r"\s+", Class::Space),
         ] {
-            // The patterns are constants; a failure to compile one would be a bug in the engine
-            // build, and leaves that class empty (the differential tests would catch it).
-            let Ok(re) = tokenizers::utils::SysRegex::new(pattern) else {
-                continue;
-            };
+            let re = tokenizers::utils::SysRegex::new(pattern).ok()?;
             for (s, e) in re.find_iter(&all) {
                 let first = all[s..].chars().next();
                 let last = all[..e].chars().next_back();
@@ -111,7 +113,7 @@ impl Classes {
             .map(|(f, l, c)| (f.max(128), l, c))
             .collect();
         ranges.sort_unstable_by_key(|r| r.0);
-        Classes { ascii, ranges }
+        Some(Classes { ascii, ranges })
     }
 
     #[inline]
@@ -385,19 +387,20 @@ impl AddedScan {
     }
 }
 
-/// Words the cache keeps at most, and the longest word it keeps (bytes): worst case ~10 MB.
+/// Words the cache keeps at most, and the longest word it keeps (bytes): worst case ~13 MB
+/// (32,768 × a 64-byte key, 64 ids, two boxes and a table slot).
 const WORD_CACHE_WORDS: usize = 32_768;
 const WORD_CACHE_MAX_BYTES: usize = 64;
 
 /// Pre-tokens already merged: the raw bytes → their ids. BPE of a word depends on the word
 /// alone, so a hit is exact. `tokenizers` has a word cache too, but a hit there clones the
 /// word and allocates a `String` per token (14 % of a cold 32k-character decision, plus the
-/// allocator's share); here a hit copies ids. An encode holds the read lock throughout and
-/// adds its new words under one write lock at the end; once full, new words are merged every
-/// time (as `tokenizers`' cache does). Keys come from clients: the map hashes with a random
+/// allocator's share); here a hit copies ids. An encode tries the read lock once and adds its
+/// new words (each once) under one tried write lock at the end; a lock that is busy is done
+/// without, never waited for. Once full, new words are merged every time (as `tokenizers`'
+/// cache does). Keys come from clients: the map hashes with a random
 /// key (`ahash::RandomState`).
 type WordMap = std::collections::HashMap<Box<[u8]>, Box<[u32]>, ahash::RandomState>;
-type MergedWord = (Box<[u8]>, Box<[u32]>);
 
 /// The direct encoder of one tokenizer (see the module doc).
 pub struct ByteLevelBpe {
@@ -405,7 +408,7 @@ pub struct ByteLevelBpe {
     /// The model's merges by id ([`crate::merges`]), when it has that shape.
     merges: Option<Merges>,
     pattern: Pattern,
-    /// An NFC normalizer: a piece that is not already NFC sends the text to `tokenizers`.
+    /// An NFC normalizer (Qwen2's): pieces that are not already NFC are normalized first.
     nfc: bool,
     raw: Option<AddedScan>,
     normalized: Option<AddedScan>,
@@ -434,6 +437,10 @@ impl ByteLevelBpe {
         let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return None;
         };
+        // Dropout makes `tokenizers`' ids random: nothing to reproduce (or cache).
+        if bpe.dropout.is_some_and(|d| d > 0.0) {
+            return None;
+        }
         let bytes = byte_chars();
         let merges = Merges::new(bpe, &bytes);
         let added = tok.get_added_tokens_decoder();
@@ -451,6 +458,11 @@ impl ByteLevelBpe {
             let t = &added[id];
             if t.content.is_empty() {
                 continue;
+            }
+            // An added token whose id is another string's in the model: which one `tokenizers`
+            // emits depends on its internals, so do not guess.
+            if bpe.id_to_token(*id).is_some_and(|m| m != t.content) {
+                return None;
             }
             if t.normalized {
                 if nfc && !is_nfc(&t.content) {
@@ -472,19 +484,17 @@ impl ByteLevelBpe {
             special_before,
             special_after,
             bytes,
-            classes: Classes::get(),
+            classes: Classes::get()?,
         })
     }
 
-    /// `tok`'s ids of `text` (`tok` the tokenizer this encoder was made from); `None` when
-    /// the normalizer would change the text (NFC on text that is not), which only `tokenizers`
-    /// reproduces.
+    /// `tok`'s ids of `text` (`tok` the tokenizer this encoder was made from).
     pub fn encode(
         &self,
         tok: &Tokenizer,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<Option<Vec<u32>>, TokenizeError> {
+    ) -> Result<Vec<u32>, TokenizeError> {
         let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return Err(TokenizeError::Tokenizer("not a BPE model".into()));
         };
@@ -494,24 +504,30 @@ impl ByteLevelBpe {
         }
         let mut mapped = String::new();
         let mut failed: Option<String> = None;
-        let known = self.words.read().ok();
+        // The shared cache is only tried, never waited for: a reader that finds a writer in
+        // (or a writer that finds readers) goes on without it, so one long encode cannot hold
+        // up another request's.
+        let known = self.words.try_read().ok();
         let room = known
             .as_ref()
             .map_or(0, |k| WORD_CACHE_WORDS.saturating_sub(k.len()));
-        let mut new_words: Vec<MergedWord> = Vec::new();
+        // Words merged during this encode (each once, however often it repeats).
+        let mut new_words = WordMap::default();
         let mut word = |word: &str, ids: &mut Vec<u32>| {
             if failed.is_some() {
                 return;
             }
-            if let Some(hit) = known.as_ref().and_then(|k| k.get(word.as_bytes())) {
+            let key = word.as_bytes();
+            if let Some(hit) = known
+                .as_ref()
+                .and_then(|k| k.get(key))
+                .or_else(|| new_words.get(key))
+            {
                 ids.extend_from_slice(hit);
                 return;
             }
             let start = ids.len();
-            let merged_here = self
-                .merges
-                .as_ref()
-                .is_some_and(|m| m.word(word.as_bytes(), ids));
+            let merged_here = self.merges.as_ref().is_some_and(|m| m.word(key, ids));
             if !merged_here {
                 mapped.clear();
                 mapped.extend(word.bytes().map(|b| self.bytes[usize::from(b)]));
@@ -523,9 +539,9 @@ impl ByteLevelBpe {
                     }
                 }
             }
-            if word.len() <= WORD_CACHE_MAX_BYTES && new_words.len() < room {
+            if key.len() <= WORD_CACHE_MAX_BYTES && new_words.len() < room {
                 let merged = ids.get(start..).unwrap_or_default();
-                new_words.push((word.as_bytes().into(), merged.into()));
+                new_words.insert(key.into(), merged.into());
             }
         };
         let mut piece = |p: &str, ids: &mut Vec<u32>| match self.pattern {
@@ -534,18 +550,19 @@ impl ByteLevelBpe {
                 split_llama3(p, self.classes, max_digits, |w| word(w, ids))
             }
         };
-        let mut normalizes = false;
         split_added(text, self.raw.as_ref(), &mut ids, |gap, ids| {
             if self.nfc && !is_nfc(gap) {
-                normalizes = true;
-            }
-            if !normalizes {
+                // What `tokenizers`' NFC normalizer makes of the piece (the same crate), then
+                // the same steps on the normalized text.
+                let normalized: String = gap.nfc().map(|(c, _)| c).collect();
+                split_added(&normalized, self.normalized.as_ref(), ids, &mut piece)
+            } else {
                 split_added(gap, self.normalized.as_ref(), ids, &mut piece)
             }
         });
         drop(known);
         if !new_words.is_empty() {
-            if let Ok(mut words) = self.words.write() {
+            if let Ok(mut words) = self.words.try_write() {
                 for (k, v) in new_words {
                     if words.len() >= WORD_CACHE_WORDS {
                         break;
@@ -554,16 +571,13 @@ impl ByteLevelBpe {
                 }
             }
         }
-        if normalizes {
-            return Ok(None);
-        }
         if let Some(e) = failed {
             return Err(TokenizeError::Tokenizer(e));
         }
         if add_special_tokens {
             ids.extend_from_slice(&self.special_after);
         }
-        Ok(Some(ids))
+        Ok(ids)
     }
 }
 
@@ -623,10 +637,13 @@ fn special_frame(tok: &Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
 /// The pre-tokens of `text` under GPT-2's pattern, or Llama 3's with `max_digits`.
 #[cfg(test)]
 pub(crate) fn pre_tokens(text: &str, llama3_digits: Option<usize>) -> Vec<&str> {
+    let Some(classes) = Classes::get() else {
+        panic!("the regex engine gave no character classes");
+    };
     let mut out = Vec::new();
     match llama3_digits {
-        None => split_gpt2(text, Classes::get(), |w| out.push(w)),
-        Some(d) => split_llama3(text, Classes::get(), d, |w| out.push(w)),
+        None => split_gpt2(text, classes, |w| out.push(w)),
+        Some(d) => split_llama3(text, classes, d, |w| out.push(w)),
     }
     out
 }
@@ -649,7 +666,7 @@ mod tests {
 
     fn split(text: &str) -> Vec<&str> {
         let mut out = Vec::new();
-        split_gpt2(text, Classes::get(), |w| out.push(w));
+        split_gpt2(text, Classes::get().unwrap(), |w| out.push(w));
         out
     }
 
@@ -692,11 +709,40 @@ mod tests {
             .get_ids()
             .to_vec();
         for _ in 0..2 {
-            assert_eq!(enc.encode(&tok, &text, false).unwrap().unwrap(), want);
+            assert_eq!(enc.encode(&tok, &text, false).unwrap(), want);
         }
         let words = enc.words.read().unwrap();
         assert_eq!(words.len(), WORD_CACHE_WORDS);
         assert!(words.keys().all(|k| k.len() <= WORD_CACHE_MAX_BYTES));
+    }
+
+    /// An encode never waits for the word cache: with its write lock held elsewhere (a writer
+    /// in) it encodes without the cache; with a read lock held elsewhere it does not add its
+    /// words. (A blocking `read()`/`write()` here would deadlock this thread.)
+    #[test]
+    fn a_busy_word_cache_is_done_without() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny-llama/tokenizer.json"
+        );
+        let tok = Tokenizer::from_file(path).unwrap();
+        let enc = ByteLevelBpe::new(&tok).unwrap();
+        let text = "the model cache prefix token request server";
+        let want = tok.encode_fast(text, false).unwrap().get_ids().to_vec();
+        {
+            let _writer = enc.words.write().unwrap();
+            assert_eq!(enc.encode(&tok, text, false).unwrap(), want);
+        }
+        {
+            let _reader = enc.words.read().unwrap();
+            assert_eq!(enc.encode(&tok, text, false).unwrap(), want);
+        }
+        assert!(
+            enc.words.read().unwrap().is_empty(),
+            "added while a reader held it"
+        );
+        assert_eq!(enc.encode(&tok, text, false).unwrap(), want);
+        assert_eq!(enc.words.read().unwrap().len(), 7);
     }
 
     #[test]

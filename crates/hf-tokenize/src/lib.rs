@@ -72,6 +72,19 @@ pub enum TokenizeError {
     Tokenizer(String),
 }
 
+/// Run one `tokenizers` call on client text, its panics turned into an error: the `onig`
+/// crate panics when Oniguruma gives up on a match (its retry limit: a whitespace run of
+/// millions of characters under Llama 3's pattern does it), and one request's text must not
+/// take a worker thread down.
+fn guarded<T>(f: impl FnOnce() -> tokenizers::Result<T>) -> Result<T, TokenizeError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| TokenizeError::Tokenizer(e.to_string())),
+        Err(_) => Err(TokenizeError::Tokenizer(
+            "the tokenizer panicked on this text".into(),
+        )),
+    }
+}
+
 /// A token's byte span in the text it came from.
 pub type Span = (usize, usize);
 
@@ -107,6 +120,28 @@ struct TokenizerConfig {
     add_eos_token: Option<bool>,
     #[serde(flatten)]
     rest: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Whether `tokenizer.json`'s `added_tokens` name every content and every id once.
+fn added_tokens_are_distinct(path: &Path) -> Option<bool> {
+    #[derive(Deserialize)]
+    struct Added {
+        id: u32,
+        content: String,
+    }
+    #[derive(Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    let file: File = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let mut ids = std::collections::HashSet::new();
+    let mut contents = std::collections::HashSet::new();
+    Some(
+        file.added_tokens
+            .iter()
+            .all(|t| ids.insert(t.id) && contents.insert(t.content.as_str())),
+    )
 }
 
 /// The special-token names transformers puts into `special_tokens_map` (and so into the
@@ -201,7 +236,10 @@ impl HfTokenizer {
         };
         let templates = template::Templates::new(sources)?;
         let cutter = cuts::Cutter::new(&tokenizer);
-        let direct = byte_level::ByteLevelBpe::new(&tokenizer);
+        // `tokenizers` keeps every entry of `added_tokens`, the encoder's view of them (the
+        // id → token map) one per id: with a content or an id listed twice they could differ.
+        let direct = byte_level::ByteLevelBpe::new(&tokenizer)
+            .filter(|_| added_tokens_are_distinct(&tok_path).unwrap_or(false));
         Ok(HfTokenizer {
             tokenizer,
             templates,
@@ -218,12 +256,10 @@ impl HfTokenizer {
 
     /// Tokenize `text`, with the post-processor's special tokens (BOS) when asked.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        if let Some(d) = &self.direct {
-            if let Some(ids) = d.encode(&self.tokenizer, text, add_special_tokens)? {
-                return Ok(ids);
-            }
+        match &self.direct {
+            Some(d) => d.encode(&self.tokenizer, text, add_special_tokens),
+            None => self.encode_reference(text, add_special_tokens),
         }
-        self.encode_reference(text, add_special_tokens)
     }
 
     /// Whether [`HfTokenizer::encode`] runs the direct encoder ([`byte_level`]) rather than
@@ -238,19 +274,13 @@ impl HfTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let enc = self
-            .tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| TokenizeError::Tokenizer(e.to_string()))?;
+        let enc = guarded(|| self.tokenizer.encode_fast(text, add_special_tokens))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Tokenize `text` without special tokens, with each token's byte span in `text`.
     pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<Span>), TokenizeError> {
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| TokenizeError::Tokenizer(e.to_string()))?;
+        let enc = guarded(|| self.tokenizer.encode(text, false))?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 

@@ -16,7 +16,8 @@
 //!
 //! Words of more than [`MAX_SYMBOLS`] bytes are left to `tokenizers` (the scan is quadratic in
 //! the word's length). A model with dropout, a continuing-subword prefix, an end-of-word suffix,
-//! byte fallback, or a byte whose character is not in the vocabulary gets no [`Merges`].
+//! byte fallback, a byte whose character is not in the vocabulary, or two strings with one id
+//! gets no [`Merges`].
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -74,6 +75,12 @@ impl Merges {
             return None;
         }
         let vocab = bpe.get_vocab();
+        // Two strings with one id: the merged id rebuilt from a merge's strings could name the
+        // other one.
+        let distinct: std::collections::HashSet<u32> = vocab.values().copied().collect();
+        if distinct.len() != vocab.len() {
+            return None;
+        }
         let mut byte_ids = [0u32; 256];
         for (b, c) in bytes.iter().enumerate() {
             byte_ids[b] = *vocab.get(c.to_string().as_str())?;

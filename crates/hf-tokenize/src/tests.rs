@@ -359,11 +359,13 @@ fn with_tokenizer_edit(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> 
     t.unwrap()
 }
 
+const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// The fixture's vocabulary under Llama 3's and Qwen2's pre-tokenizers (Qwen2's with its NFC
 /// normalizer): the direct encoder's split must be theirs.
 #[test]
 fn llama3_and_qwen2_patterns_give_the_ids_of_tokenizers_own_pipeline() {
-    let llama3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let llama3 = LLAMA3;
     let qwen2 = llama3.replace(r"\p{N}{1,3}", r"\p{N}");
     for (tag, pattern, normalizer) in [
         ("llama3", llama3.to_owned(), serde_json::Value::Null),
@@ -371,6 +373,13 @@ fn llama3_and_qwen2_patterns_give_the_ids_of_tokenizers_own_pipeline() {
     ] {
         let tok = with_tokenizer_edit(tag, |j| {
             j["normalizer"] = normalizer;
+            // A normalized added token, matched after NFC ("Å" composed, "e\u{301}" → "é").
+            j["added_tokens"]
+                .as_array_mut()
+                .unwrap()
+                .push(serde_json::json!({"id": 2048,
+                "content": "éa", "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": true, "special": false}));
             j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
                  "invert": false},
@@ -380,12 +389,15 @@ fn llama3_and_qwen2_patterns_give_the_ids_of_tokenizers_own_pipeline() {
         assert!(tok.is_direct(), "{tag}");
         let mut texts = hostile_strings(5_000, 0xD1B5_4A32_D192_ED03);
         texts.push(std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap());
+        texts.extend(["e\u{301}a x éa".into(), "Åéa<|end|>e\u{301}".into()]);
         for text in &texts {
-            assert_eq!(
-                tok.encode(text, false).unwrap(),
-                tok.encode_reference(text, false).unwrap(),
-                "{tag}: {text:?}"
-            );
+            for special in [false, true] {
+                assert_eq!(
+                    tok.encode(text, special).unwrap(),
+                    tok.encode_reference(text, special).unwrap(),
+                    "{tag}: {text:?}, add_special_tokens {special}"
+                );
+            }
         }
     }
 }
@@ -433,7 +445,41 @@ fn other_shapes_keep_tokenizers_pipeline() {
             {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
              "use_regex": false}]});
     });
-    for tok in [&lower, &prefix, &lstrip, &other_split] {
+    let inverted = with_tokenizer_edit("inverted", |j| {
+        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3}, "behavior": "Isolated",
+             "invert": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": false}]});
+    });
+    let three = with_tokenizer_edit("three", |j| {
+        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3}, "behavior": "Isolated",
+             "invert": false},
+            {"type": "Digits", "individual_digits": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": false}]});
+    });
+    let dropout = with_tokenizer_edit("dropout", |j| {
+        j["model"]["dropout"] = 0.5.into();
+    });
+    let duplicate = with_tokenizer_edit("duplicate", |j| {
+        let added = j["added_tokens"].as_array_mut().unwrap();
+        added.push(
+            serde_json::json!({"id": 2048, "content": "<|end|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": true, "special": false}),
+        );
+    });
+    assert!(!dropout.is_direct() && !duplicate.is_direct());
+    for tok in [
+        &lower,
+        &prefix,
+        &lstrip,
+        &other_split,
+        &inverted,
+        &three,
+        &duplicate,
+    ] {
         assert!(!tok.is_direct());
         assert_eq!(
             tok.encode("Hello <|end|> World", false).unwrap(),
