@@ -320,6 +320,25 @@ fn pre_tokens_are_the_regex_engine_s_matches() {
     }
 }
 
+/// GPT-2's pattern lives inside `tokenizers` (`ByteLevel` with `use_regex`), not in a
+/// tokenizer.json: compare the scanner with that pre-tokenizer itself, so a change of the
+/// crate's pattern would show.
+#[test]
+fn gpt2_pre_tokens_are_byte_level_s_own_splits() {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let byte_level = tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true);
+    for text in hostile_strings(3_000, 0x5851_F42D_4C95_7F2D) {
+        let mut pre = PreTokenizedString::from(text.as_str());
+        byte_level.pre_tokenize(&mut pre).unwrap();
+        let want: Vec<&str> = pre
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (s, e), _)| &text[s..e])
+            .collect();
+        assert_eq!(byte_level::pre_tokens(&text, None), want, "{text:?}");
+    }
+}
+
 #[test]
 fn the_direct_encoder_gives_the_ids_of_tokenizers_own_pipeline() {
     let tok = tiny();
