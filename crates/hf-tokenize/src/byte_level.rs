@@ -683,14 +683,20 @@ mod tests {
         assert_eq!(split(" é中 ٣"), [" é中", " ٣"]);
     }
 
-    #[test]
-    fn the_word_cache_is_bounded_and_its_hits_are_exact() {
+    /// The fixture's tokenizer and its direct encoder.
+    fn fixture() -> (Tokenizer, ByteLevelBpe) {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../tests/fixtures/tiny-llama/tokenizer.json"
         );
         let tok = Tokenizer::from_file(path).unwrap();
         let enc = ByteLevelBpe::new(&tok).unwrap();
+        (tok, enc)
+    }
+
+    #[test]
+    fn the_word_cache_is_bounded_and_its_hits_are_exact() {
+        let (tok, enc) = fixture();
         // 40,000 distinct letter words, and one longer than the cache keeps.
         let word = |mut i: usize| {
             let mut w = String::from(" ");
@@ -721,12 +727,7 @@ mod tests {
     /// words. (A blocking `read()`/`write()` here would deadlock this thread.)
     #[test]
     fn a_busy_word_cache_is_done_without() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../tests/fixtures/tiny-llama/tokenizer.json"
-        );
-        let tok = Tokenizer::from_file(path).unwrap();
-        let enc = ByteLevelBpe::new(&tok).unwrap();
+        let (tok, enc) = fixture();
         let text = "the model cache prefix token request server";
         let want = tok.encode_fast(text, false).unwrap().get_ids().to_vec();
         {

@@ -339,6 +339,20 @@ fn gpt2_pre_tokens_are_byte_level_s_own_splits() {
     }
 }
 
+/// `encode` (the direct encoder) and `tokenizers`' pipeline agree on every text, with and
+/// without special tokens.
+fn assert_same_ids(tok: &HfTokenizer, texts: &[String], tag: &str) {
+    for text in texts {
+        for special in [false, true] {
+            assert_eq!(
+                tok.encode(text, special).unwrap(),
+                tok.encode_reference(text, special).unwrap(),
+                "{tag}: {text:?}, add_special_tokens {special}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_direct_encoder_gives_the_ids_of_tokenizers_own_pipeline() {
     let tok = tiny();
@@ -347,15 +361,7 @@ fn the_direct_encoder_gives_the_ids_of_tokenizers_own_pipeline() {
     texts.push(String::new());
     texts.push(std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap());
     texts.push(std::fs::read_to_string(fixture_dir().join("../tiny-llama-golden.json")).unwrap());
-    for text in &texts {
-        for special in [false, true] {
-            assert_eq!(
-                tok.encode(text, special).unwrap(),
-                tok.encode_reference(text, special).unwrap(),
-                "text {text:?}, add_special_tokens {special}"
-            );
-        }
-    }
+    assert_same_ids(&tok, &texts, "fixture");
 }
 
 /// The fixture's tokenizer.json with `edit` applied, in a temp model directory.
@@ -409,15 +415,7 @@ fn llama3_and_qwen2_patterns_give_the_ids_of_tokenizers_own_pipeline() {
         let mut texts = hostile_strings(5_000, 0xD1B5_4A32_D192_ED03);
         texts.push(std::fs::read_to_string(fixture_dir().join("chat_template.jinja")).unwrap());
         texts.extend(["e\u{301}a x éa".into(), "Åéa<|end|>e\u{301}".into()]);
-        for text in &texts {
-            for special in [false, true] {
-                assert_eq!(
-                    tok.encode(text, special).unwrap(),
-                    tok.encode_reference(text, special).unwrap(),
-                    "{tag}: {text:?}, add_special_tokens {special}"
-                );
-            }
-        }
+        assert_same_ids(&tok, &texts, tag);
     }
 }
 
@@ -457,28 +455,25 @@ fn other_shapes_keep_tokenizers_pipeline() {
     let lstrip = with_tokenizer_edit("lstrip", |j| {
         j["added_tokens"][6]["lstrip"] = true.into();
     });
-    let other_split = with_tokenizer_edit("other-split", |j| {
-        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+|."}, "behavior": "Isolated",
-             "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-             "use_regex": false}]});
-    });
-    let inverted = with_tokenizer_edit("inverted", |j| {
-        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3}, "behavior": "Isolated",
-             "invert": true},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-             "use_regex": false}]});
-    });
-    let three = with_tokenizer_edit("three", |j| {
-        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3}, "behavior": "Isolated",
-             "invert": false},
-            {"type": "Digits", "individual_digits": true},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-             "use_regex": false}]});
-    });
+    // `Sequence[Split(pattern, Isolated, invert), <middle>..., ByteLevel(use_regex: false)]`.
+    let split_seq = |tag: &str, pattern: &str, invert: bool, middle: Vec<serde_json::Value>| {
+        let mut steps = vec![
+            serde_json::json!({"type": "Split", "pattern": {"Regex": pattern},
+            "behavior": "Isolated", "invert": invert}),
+        ];
+        steps.extend(middle);
+        steps.push(
+            serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": true, "use_regex": false}),
+        );
+        with_tokenizer_edit(tag, |j| {
+            j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": steps});
+        })
+    };
+    let other_split = split_seq("other-split", r"\p{L}+|\s+|.", false, Vec::new());
+    let inverted = split_seq("inverted", LLAMA3, true, Vec::new());
+    let digits = serde_json::json!({"type": "Digits", "individual_digits": true});
+    let three = split_seq("three", LLAMA3, false, vec![digits]);
     let dropout = with_tokenizer_edit("dropout", |j| {
         j["model"]["dropout"] = 0.5.into();
     });
