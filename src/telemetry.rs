@@ -181,3 +181,27 @@ pub fn init_logging(format: LogFormat, filter: &str) {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The README's metrics table lists every series inferlb exports, and nothing else.
+    #[test]
+    fn the_readme_lists_every_series() {
+        let readme = include_str!("../README.md");
+        let table: Vec<&str> = readme
+            .split("\n## Metrics\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .collect();
+        let exported: Vec<&str> = super::DESCRIPTIONS.iter().map(|(name, _)| *name).collect();
+        let missing: Vec<&&str> = exported.iter().filter(|n| !table.contains(n)).collect();
+        let extra: Vec<&&str> = table.iter().filter(|n| !exported.contains(n)).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "README metrics table: missing {missing:?}, not exported {extra:?}"
+        );
+    }
+}
