@@ -108,6 +108,10 @@ pub struct TokenizationConfig {
     pub models: BTreeMap<String, std::path::PathBuf>,
     /// Token ids kept by each tokenizer's prefix cache (0 = no cache).
     pub prefix_cache_tokens: u64,
+    /// Requests whose body is larger are routed without token ids (counted as `too_long`):
+    /// it bounds the work and memory one request's tokenization can take (one pre-token of
+    /// millions of characters costs `tokenizers` hundreds of bytes per token).
+    pub max_body_bytes: usize,
 }
 
 impl Default for TokenizationConfig {
@@ -116,6 +120,7 @@ impl Default for TokenizationConfig {
             dir: None,
             models: BTreeMap::new(),
             prefix_cache_tokens: 4_000_000,
+            max_body_bytes: 2 * 1024 * 1024,
         }
     }
 }

@@ -81,7 +81,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_SCRAPE_DURATION, "Duration of /metrics scrapes, by backend."),
     (CONFIG_RELOADS, "Configuration reloads (SIGHUP or a change of the --config file), by result (ok, error)."),
     (DISCOVERY_ERRORS, "Discovery passes that failed (the last good backend set is kept), by source."),
-    (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer; no_live_stream: no backend had a live KV-event stream, so tokenizing was skipped)."),
+    (TOKENIZE_SKIPPED_TOTAL, "Requests for a model with a tokenizer that were routed without token ids, by reason (unsupported, invalid, no_chat_template, template, tokenizer; no_live_stream: no backend had a live KV-event stream, so tokenizing was skipped; too_long: the body exceeded tokenization.max_body_bytes)."),
     (TOKENIZE_DURATION, "Time to compute one request's prompt token ids (render the chat template, tokenize), by operation (chat, completions)."),
     (TOKENIZE_TOKENS, "Prompt token ids computed for requests, by where they came from (prefix_cache: a cached prefix of an earlier request; tokenizer: tokenized for this request)."),
     (BACKENDS, "Backends in the pool, by state (healthy, unhealthy, ejected, draining)."),

@@ -157,7 +157,7 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
     let backend = sim.url();
     let (router, dir) = tokenizing_router(
         "test",
-        "[admin]\nexplain = true\ndecisions = 8\n",
+        "[admin]\nexplain = true\ndecisions = 8\n[tokenization]\nmax_body_bytes = 4096\n",
         &backend,
         &["--kv-events", "auto"],
     );
@@ -272,6 +272,24 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
     if resp.headers().contains_key("x-inferlb-decision") {
         assert_eq!(prompt_tokens(&resp), None);
     }
+
+    // A body over `tokenization.max_body_bytes` (4096 here) is routed without ids, counted.
+    let long = json!({"model": "tiny-llama", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "the load ".repeat(500)}]});
+    let resp = post_explained(&format!("{base}/v1/chat/completions"), &long).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        prompt_tokens(&resp),
+        None,
+        "tokenized a body over the bound"
+    );
+    let metrics = common::metrics_at(&router.addr).await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("inferlb_tokenize_skipped_total{reason=\"too_long\"} 1")),
+        "too_long not counted"
+    );
     router.signal("-TERM");
     router.exit().await;
     std::fs::remove_dir_all(&dir).unwrap();

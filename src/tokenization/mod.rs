@@ -58,6 +58,8 @@ pub struct Tokenizers {
     default: Option<Arc<ModelTokenizer>>,
     by_model: BTreeMap<String, Arc<ModelTokenizer>>,
     meters: OnceLock<Meters>,
+    /// `tokenization.max_body_bytes` (0 only in `Default`, where there is no tokenizer).
+    max_body: usize,
 }
 
 /// The per-request tokenization series, resolved on the first request (the recorder is
@@ -118,6 +120,7 @@ impl Tokenizers {
             default,
             by_model,
             meters: OnceLock::new(),
+            max_body: cfg.max_body_bytes,
         })
     }
 
@@ -162,6 +165,11 @@ impl Tokenizers {
         let Some(t) = self.for_model(view.model.as_deref()) else {
             return;
         };
+        if body.len() > self.max_body {
+            metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => "too_long")
+                .increment(1);
+            return;
+        }
         let started = Instant::now();
         let ids = match (view.operation, &view.tokens) {
             (Operation::ChatCompletions, _) => t.chat_ids(body),
