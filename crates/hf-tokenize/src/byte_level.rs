@@ -296,7 +296,7 @@ fn newline_tail(s: &str, end: usize) -> usize {
 }
 
 /// GPT-2's byte → printable character map (the byte-level alphabet).
-fn byte_chars() -> [char; 256] {
+pub(crate) fn byte_chars() -> [char; 256] {
     let mut map = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..=255u8 {
@@ -357,12 +357,6 @@ impl Pattern {
             _ => None,
         }
     }
-}
-
-/// GPT-2's byte alphabet, for the merge tests.
-#[cfg(test)]
-pub(crate) fn byte_alphabet() -> [char; 256] {
-    byte_chars()
 }
 
 /// One scan of the added tokens: the matcher and each pattern's id.

@@ -123,7 +123,7 @@ struct TokenizerConfig {
 }
 
 /// Whether `tokenizer.json`'s `added_tokens` name every content and every id once.
-fn added_tokens_are_distinct(path: &Path) -> Option<bool> {
+fn added_tokens_are_distinct(json: &str) -> Option<bool> {
     #[derive(Deserialize)]
     struct Added {
         id: u32,
@@ -134,7 +134,7 @@ fn added_tokens_are_distinct(path: &Path) -> Option<bool> {
         #[serde(default)]
         added_tokens: Vec<Added>,
     }
-    let file: File = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let file: File = serde_json::from_str(json).ok()?;
     let mut ids = std::collections::HashSet::new();
     let mut contents = std::collections::HashSet::new();
     Some(
@@ -178,10 +178,12 @@ impl HfTokenizer {
     /// transformers does).
     pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
         let tok_path = dir.join("tokenizer.json");
-        let mut tokenizer =
-            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| LoadError::Tokenizer {
+        // Read once: the tokenizer and the encoder's check of `added_tokens` parse the text.
+        let tok_json = read(&tok_path)?;
+        let mut tokenizer: tokenizers::Tokenizer =
+            tok_json.parse().map_err(|e| LoadError::Tokenizer {
                 path: tok_path.clone(),
-                message: e.to_string(),
+                message: format!("{e}"),
             })?;
         let cfg_path = dir.join("tokenizer_config.json");
         let config: TokenizerConfig = if cfg_path.exists() {
@@ -239,7 +241,7 @@ impl HfTokenizer {
         // `tokenizers` keeps every entry of `added_tokens`, the encoder's view of them (the
         // id → token map) one per id: with a content or an id listed twice they could differ.
         let direct = byte_level::ByteLevelBpe::new(&tokenizer)
-            .filter(|_| added_tokens_are_distinct(&tok_path).unwrap_or(false));
+            .filter(|_| added_tokens_are_distinct(&tok_json).unwrap_or(false));
         Ok(HfTokenizer {
             tokenizer,
             templates,

@@ -230,7 +230,7 @@ mod tests {
     }
 
     fn check(bpe: &BPE) {
-        let bytes = crate::byte_level::byte_alphabet();
+        let bytes = crate::byte_level::byte_chars();
         let m = Merges::new(bpe, &bytes).unwrap();
         for w in words() {
             let mapped: String = w.iter().map(|&b| bytes[usize::from(b)]).collect();
@@ -260,7 +260,7 @@ mod tests {
         bpe.ignore_merges = true;
         check(&bpe);
         // A vocabulary word no merge sequence reaches: "abc" (merges give "a" + "bc").
-        let bytes = crate::byte_level::byte_alphabet();
+        let bytes = crate::byte_level::byte_chars();
         let mut vocab: tokenizers::models::bpe::Vocab = bytes
             .iter()
             .enumerate()
