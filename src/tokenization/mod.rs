@@ -149,8 +149,7 @@ impl Tokenizers {
             return;
         }
         if !useful() {
-            metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => "no_live_stream")
-                .increment(1);
+            skipped("no_live_stream");
             return;
         }
         self.fill(view, body);
@@ -166,8 +165,7 @@ impl Tokenizers {
             return;
         };
         if body.len() > self.max_body {
-            metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => "too_long")
-                .increment(1);
+            skipped("too_long");
             return;
         }
         let started = Instant::now();
@@ -210,8 +208,7 @@ impl Tokenizers {
                     TokenizeError::Template(_) => "template",
                     TokenizeError::Tokenizer(_) => "tokenizer",
                 };
-                metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => reason)
-                    .increment(1);
+                skipped(reason);
                 tracing::debug!(error = %e, "request routed without token ids");
             }
         }
@@ -233,6 +230,11 @@ impl ModelTokenizer {
     pub fn tokenizer(&self) -> &HfTokenizer {
         &self.tok
     }
+}
+
+/// Count a request routed without token ids, by why.
+fn skipped(reason: &'static str) {
+    metrics::counter!(crate::telemetry::TOKENIZE_SKIPPED_TOTAL, "reason" => reason).increment(1);
 }
 
 #[derive(Deserialize)]
