@@ -8,7 +8,8 @@
 #   bench/real_vllm.sh [POLICIES="random load-only approximate precise approximate-x2 precise-x2"]
 # Policies: random, round-robin, load-only, prefix-only; approximate (the default profile, no
 # KV events); precise (the default profile with every backend's KV-event stream and the model's
-# tokenizer); NAME-x2: two such inferlb replicas behind an nginx round-robin front.
+# tokenizer); any other NAME: bench/policies/NAME.toml (its tests/fixtures/tiny-llama tokenizer
+# replaced by the served model's); NAME-x2: two such inferlb replicas behind an nginx round-robin front.
 # Env: ZIPF (group popularity exponent, default 0 = uniform), SEED (1), GROUPS_N (14), RATE (3),
 # EXISTING="http://host1:port http://host2:port" (servers already running with KV_EVENTS=1 DEV=1).
 # The bound ("max"): every request's prompt tokenized by vLLM itself (POST /tokenize); a
@@ -45,7 +46,9 @@ profile() {  # the config fragment of a policy
     prefix-only) printf '[[plugins]]\ntype = "prefix-cache-scorer"\n[[plugins]]\ntype = "max-score-picker"\n[[scheduling_profiles]]\nname = "prefix-only"\nplugins = [{ plugin_ref = "prefix-cache-scorer", weight = 1 }, { plugin_ref = "max-score-picker" }]\n' ;;
     approximate|default) : ;;
     precise) printf '[kv_events]\ndefault = "auto"\n[tokenization]\ndir = "%s"\n' "$TOKENIZER" ;;
-    *) echo "unknown policy $1" >&2; exit 2 ;;
+    *) if [ -f "bench/policies/${1%-x2}.toml" ]; then  # a policy file, its fixture tokenizer swapped for the model's
+         sed "s#tests/fixtures/tiny-llama#$TOKENIZER#" "bench/policies/${1%-x2}.toml"
+       else echo "unknown policy $1" >&2; exit 2; fi ;;
   esac
 }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

@@ -97,7 +97,8 @@ def main():
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = "" if float(zipf) == 0 else "-zipf"
+    # RESULT_SUFFIX names the file of a run beside others of the same day and workload.
+    suffix = ("" if float(zipf) == 0 else "-zipf") + os.environ.get("RESULT_SUFFIX", "")
     path = f"bench/results/real-vllm-{datetime.date.today().isoformat()}{suffix}.md"
     open(path, "w").write(text)
     print("wrote", path)

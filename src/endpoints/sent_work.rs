@@ -12,6 +12,19 @@
 //! The first byte is the first token only for streamed responses: a non-streaming answer
 //! arrives whole at the end, so its prompt counts as prefill for the request's whole life (an
 //! overestimate of that backend's queue, by the decode time of such requests).
+//!
+//! Beside the work in force, each backend keeps its **recent** work: the prompt tokens of every
+//! request sent to it, decayed exponentially with a half-life of [`RECENT_HALF_LIFE_MS`]. It is
+//! the router's measure of how the fleet's traffic has been shared out lately, whether or not
+//! anything is queued (`/admin/backends` shows it; the `prefix-cache-scorer` can place new
+//! prefixes by it, `room_work_weight`):
+//!
+//! ```text
+//! recent(now) = Σ_requests prompt_tokens · 2^(−(now − sent_at) / half_life)
+//! ```
+//!
+//! It is one atomic word per backend (the decayed value as an `f32` and the time of its last
+//! update in 16 ms ticks, updated by compare-and-swap), so recording and reading never wait.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,6 +36,36 @@ use super::Backend;
 pub struct SentWork {
     prefill: AtomicU64,
     decode: AtomicU64,
+    /// Recent prompt tokens: `f32` bits above, the last update's tick below.
+    recent: AtomicU64,
+}
+
+/// Half-life of [`SentWork::recent_tokens`]: traffic a minute old counts half.
+pub const RECENT_HALF_LIFE_MS: u64 = 60_000;
+
+/// Resolution of the recent-work clock; 2³² ticks of 16 ms are 2.2 years before the tick
+/// wraps (ages are taken modulo that, so only a gap longer than it could mislead).
+const TICK_MS: u64 = 16;
+
+fn pack(value: f32, tick: u32) -> u64 {
+    (u64::from(value.to_bits()) << 32) | u64::from(tick)
+}
+
+fn unpack(word: u64) -> (f32, u32) {
+    (f32::from_bits((word >> 32) as u32), word as u32)
+}
+
+/// `value`, last updated at `then`, decayed to tick `now`.
+fn decay(value: f32, then: u32, now: u32) -> f32 {
+    if value <= 0.0 {
+        return 0.0;
+    }
+    let age_ms = f64::from(now.wrapping_sub(then)) * TICK_MS as f64;
+    (f64::from(value) * (-age_ms / RECENT_HALF_LIFE_MS as f64).exp2()) as f32
+}
+
+fn tick(now_ms: u64) -> u32 {
+    (now_ms / TICK_MS) as u32
 }
 
 impl SentWork {
@@ -34,6 +77,26 @@ impl SentWork {
     /// Prompt tokens of requests past their first token and still running.
     pub fn decode_tokens(&self) -> u64 {
         self.decode.load(Ordering::Relaxed)
+    }
+
+    /// A request of `tokens` prompt tokens was sent at `now_ms` (any monotonic millisecond
+    /// clock, the same for every call).
+    pub fn note_sent(&self, tokens: u64, now_ms: u64) {
+        let now = tick(now_ms);
+        // fetch_update never fails with a closure that always returns Some.
+        let _ = self
+            .recent
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                let (value, then) = unpack(word);
+                let sum = decay(value, then, now) + tokens as f32;
+                Some(pack(if sum.is_finite() { sum } else { f32::MAX }, now))
+            });
+    }
+
+    /// Recent prompt tokens sent (see the module doc), decayed to `now_ms`.
+    pub fn recent_tokens(&self, now_ms: u64) -> f64 {
+        let (value, then) = unpack(self.recent.load(Ordering::Relaxed));
+        f64::from(decay(value, then, tick(now_ms)))
     }
 }
 
@@ -124,6 +187,25 @@ mod tests {
         assert_eq!(b.work().prefill_tokens(), 0);
         drop(first);
         assert_eq!(b.work().decode_tokens(), 0);
+    }
+
+    #[test]
+    fn recent_work_adds_and_halves_every_half_life() {
+        let b = &backends(1)[0];
+        let w = b.work();
+        assert_eq!(w.recent_tokens(0), 0.0);
+        w.note_sent(1_000, 1_000);
+        w.note_sent(500, 1_000);
+        assert_eq!(w.recent_tokens(1_000), 1_500.0);
+        let later = 1_000 + RECENT_HALF_LIFE_MS;
+        assert!((w.recent_tokens(later) - 750.0).abs() < 1.0);
+        w.note_sent(250, later);
+        assert!((w.recent_tokens(later) - 1_000.0).abs() < 1.0);
+        assert!((w.recent_tokens(later + 2 * RECENT_HALF_LIFE_MS) - 250.0).abs() < 1.0);
+        // An absurd token count saturates instead of turning into infinity.
+        w.note_sent(u64::MAX, later);
+        w.note_sent(u64::MAX, later);
+        assert!(w.recent_tokens(later).is_finite());
     }
 
     #[test]

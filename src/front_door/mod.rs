@@ -443,6 +443,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "sent_tokens": {
                     "prefill": b.work().prefill_tokens(),
                     "decode": b.work().decode_tokens(),
+                    "recent": b.work().recent_tokens(crate::kv_events::store::now_ms()).round(),
                 },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,

@@ -95,6 +95,21 @@ pub struct RequestView {
 }
 
 impl RequestView {
+    /// Characters per token assumed where the prompt's token ids are not known.
+    pub const CHARS_PER_TOKEN: usize = 4;
+
+    /// The prompt's length in tokens: its token ids when known, else its routing text's
+    /// bytes ÷ [`Self::CHARS_PER_TOKEN`]; at least 1 (a request without a prompt still costs
+    /// the backend something).
+    pub fn estimated_prompt_tokens(&self) -> u64 {
+        let n = match (&self.tokens, &self.routing_text) {
+            (Some(tokens), _) => tokens.ids.len(),
+            (None, Some(text)) => text.len() / Self::CHARS_PER_TOKEN,
+            (None, None) => 0,
+        };
+        (n as u64).max(1)
+    }
+
     /// Parse a request for `operation` from its raw body, with the default limits.
     pub fn parse(operation: Operation, body: &[u8]) -> Result<Self, Error> {
         Self::parse_with(operation, body, &ParseLimits::default())

@@ -100,6 +100,57 @@ fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
 }
 
 #[test]
+fn room_by_traffic_weighs_in_as_the_caches_are_free() {
+    let b = backends(3);
+    let s = scorer("block_size = 4\ncapacity = 8\nroom_work_weight = 1.0");
+    let none: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    // Fill 4/8, 2/8, 0/8 (room by fill 0, 0.5, 1)…
+    let a = view("aaaabbbbccccdddd");
+    let (_, state) = score(&s, &a, &none);
+    s.after_pick(&a, &state, &b[0]);
+    let bee = view("eeeeffff");
+    let (_, state) = score(&s, &bee, &none);
+    s.after_pick(&bee, &state, &b[1]);
+    // …and recent traffic 0, 2,000, 8,000 tokens (room by traffic 1, 0.75, 0), as of now.
+    let now = now_ms();
+    b[0].work().note_sent(0, now);
+    b[1].work().note_sent(2_000, now);
+    b[2].work().note_sent(8_000, now);
+    let with_kv = |kv: f64| -> Vec<Candidate<'_>> {
+        b.iter()
+            .map(|b| {
+                let m = LoadMetrics {
+                    kv_usage: Some(kv),
+                    ..Default::default()
+                };
+                Candidate::with_metrics(b, Some(m), 0)
+            })
+            .collect()
+    };
+    let close = |got: &[f64], want: &[f64]| {
+        assert!(
+            got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-3),
+            "{got:?} != {want:?}"
+        );
+    };
+    // Idle caches: traffic alone places the new prefix (t = 1).
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &with_kv(0.0));
+    close(&scores, &[1.0, 0.75, 0.0]);
+    // Half busy: half and half (t = 0.5).
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &with_kv(0.5));
+    close(&scores, &[0.5, 0.625, 0.5]);
+    // Full: fill alone, as without the parameter.
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &with_kv(1.0));
+    close(&scores, &[0.0, 0.5, 1.0]);
+    // Unknown usage counts as half busy.
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &none);
+    close(&scores, &[0.5, 0.625, 0.5]);
+}
+
+#[test]
 fn recording_keeps_the_head_of_a_prompt_longest() {
     let b = backends(1);
     let c = vec![Candidate::with_metrics(&b[0], None, 0)];
@@ -215,6 +266,7 @@ fn bad_parameters_are_rejected_with_their_name() {
         "length_weight = 2.0",
         "room_weight = 1.5",
         "memory_weight = -0.1",
+        "room_work_weight = 1.1",
         "capacity = 0",
         "capacity = \"lots\"",
         "blocksize = 3",
