@@ -5,26 +5,14 @@
 
 mod common;
 
-use common::{client, config, start_router, until_backends_json, FakeBackend, TestRouter};
+use common::{config, start_router, until_backends_json, FakeBackend, TestRouter};
 use inferlb::config::PluginSpec;
 
 /// POST a chat whose one user message is `content`; the backend that answered.
 async fn send(router: &TestRouter, content: &str) -> String {
-    let body =
-        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]});
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let backend = resp.headers()["x-inferlb-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    let _ = resp.bytes().await;
-    backend
+    let (status, backend, _) = common::chat(router, "m", content).await;
+    assert_eq!(status, 200);
+    backend.unwrap()
 }
 
 /// Text of `chars` characters that shares no leading block with other seeds' text.

@@ -74,6 +74,16 @@ fn length_weight_prefers_long_partial_match() {
     assert_eq!(scores, vec![1.0, 0.0]);
 }
 
+/// With block size 4 and capacity 8: records 4 blocks on backend 0 (`aaaabbbbccccdddd`), 2 on
+/// backend 1 (`eeeeffff`), none on backend 2.
+fn fill_4_2_0(s: &PrefixCacheScorer, b: &[Arc<Backend>], c: &[Candidate<'_>]) {
+    for (prompt, backend) in [("aaaabbbbccccdddd", &b[0]), ("eeeeffff", &b[1])] {
+        let v = view(prompt);
+        let (_, state) = score(s, &v, c);
+        s.after_pick(&v, &state, backend);
+    }
+}
+
 #[test]
 fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
     let b = backends(3);
@@ -82,12 +92,8 @@ fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
         .map(|b| Candidate::with_metrics(b, None, 0))
         .collect();
     let s = scorer("block_size = 4\ncapacity = 8");
+    fill_4_2_0(&s, &b, &c);
     let a = view("aaaabbbbccccdddd");
-    let (_, state) = score(&s, &a, &c);
-    s.after_pick(&a, &state, &b[0]);
-    let bee = view("eeeeffff");
-    let (_, state) = score(&s, &bee, &c);
-    s.after_pick(&bee, &state, &b[1]);
     // Fill 4/8, 2/8, 0/8 → room (min–max) 0, 0.5, 1; nobody matches, so room decides.
     let (scores, _) = score(&s, &view("xxxxyyyy"), &c);
     assert_eq!(scores, vec![0.0, 0.5, 1.0]);
@@ -108,12 +114,7 @@ fn room_by_traffic_weighs_in_as_the_caches_are_free() {
         .map(|b| Candidate::with_metrics(b, None, 0))
         .collect();
     // Fill 4/8, 2/8, 0/8 (room by fill 0, 0.5, 1)…
-    let a = view("aaaabbbbccccdddd");
-    let (_, state) = score(&s, &a, &none);
-    s.after_pick(&a, &state, &b[0]);
-    let bee = view("eeeeffff");
-    let (_, state) = score(&s, &bee, &none);
-    s.after_pick(&bee, &state, &b[1]);
+    fill_4_2_0(&s, &b, &none);
     // …and recent traffic 0, 2,000, 8,000 tokens (room by traffic 1, 0.75, 0), as of now.
     let now = now_ms();
     b[0].work().note_sent(0, now);
