@@ -420,6 +420,26 @@ impl PrefixCacheScorer {
         }
     }
 
+    /// The share of the room term judged by recent traffic: `room_work_weight` while the
+    /// candidates' caches are idle, shrinking to 0 as their mean KV-cache usage reaches 1
+    /// (0.5 when no candidate reports it; a usage that is not a number makes it 0).
+    fn traffic_share(&self, candidates: &[Candidate<'_>]) -> f64 {
+        if self.params.room_work_weight <= 0.0 {
+            return 0.0;
+        }
+        let (sum, n) = candidates
+            .iter()
+            .filter_map(|c| c.metrics().and_then(|m| m.kv_usage))
+            .fold((0.0, 0usize), |(s, n), k| (s + k.clamp(0.0, 1.0), n + 1));
+        let busy = if n == 0 { 0.5 } else { sum / n as f64 };
+        let t = self.params.room_work_weight * (1.0 - busy);
+        if t.is_finite() {
+            t
+        } else {
+            0.0
+        }
+    }
+
     /// Score the candidates whose stream is live precisely: `Some((held, blocks, block_size))`.
     fn precise_matches(
         &self,
@@ -563,13 +583,7 @@ impl Scorer for PrefixCacheScorer {
                 let spread = self.params.room_weight * (1.0 - best);
                 let mut room = vec![0.0; candidates.len()];
                 lower_is_better(fill.iter().map(|f| Some(*f)), &mut room);
-                // Traffic decides while the fleet's caches are free; fill as they get busy.
-                let (sum, n) = candidates
-                    .iter()
-                    .filter_map(|c| c.metrics().and_then(|m| m.kv_usage))
-                    .fold((0.0, 0usize), |(s, n), k| (s + k.clamp(0.0, 1.0), n + 1));
-                let busy = if n == 0 { 0.5 } else { sum / n as f64 };
-                let t = self.params.room_work_weight * (1.0 - busy);
+                let t = self.traffic_share(candidates);
                 if t > 0.0 {
                     let now = now_ms();
                     let mut by_work = vec![0.0; candidates.len()];
