@@ -95,19 +95,24 @@ pub struct RequestView {
 }
 
 impl RequestView {
-    /// Characters per token assumed where the prompt's token ids are not known.
-    pub const CHARS_PER_TOKEN: usize = 4;
+    /// Characters per token assumed where the prompt's token ids are not known and no
+    /// plugin parameter says otherwise.
+    pub const CHARS_PER_TOKEN: f64 = 4.0;
 
     /// The prompt's length in tokens: its token ids when known, else its routing text's
-    /// bytes ÷ [`Self::CHARS_PER_TOKEN`]; at least 1 (a request without a prompt still costs
-    /// the backend something).
+    /// bytes ÷ `chars_per_token`; 0 without a prompt.
+    pub fn prompt_tokens(&self, chars_per_token: f64) -> f64 {
+        match (&self.tokens, &self.routing_text) {
+            (Some(tokens), _) => tokens.ids.len() as f64,
+            (None, Some(text)) => text.len() as f64 / chars_per_token,
+            (None, None) => 0.0,
+        }
+    }
+
+    /// [`Self::prompt_tokens`] at [`Self::CHARS_PER_TOKEN`], whole, and at least 1 (a request
+    /// without a prompt still costs the backend something).
     pub fn estimated_prompt_tokens(&self) -> u64 {
-        let n = match (&self.tokens, &self.routing_text) {
-            (Some(tokens), _) => tokens.ids.len(),
-            (None, Some(text)) => text.len() / Self::CHARS_PER_TOKEN,
-            (None, None) => 0,
-        };
-        (n as u64).max(1)
+        (self.prompt_tokens(Self::CHARS_PER_TOKEN) as u64).max(1)
     }
 
     /// Parse a request for `operation` from its raw body, with the default limits.

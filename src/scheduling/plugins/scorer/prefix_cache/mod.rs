@@ -147,7 +147,7 @@ impl Default for Params {
         Params {
             block_size: 64,
             capacity: Capacity::Auto(AutoWord::Auto),
-            chars_per_token: 4.0,
+            chars_per_token: RequestView::CHARS_PER_TOKEN,
             // 500k tokens × 4 chars ÷ 64 chars: an 8B model's cache on one 80 GB GPU.
             fallback_capacity: 31_250,
             length_weight: 0.0,
@@ -413,11 +413,7 @@ impl PrefixCacheScorer {
     /// The prompt's length in tokens: its token ids when known, else its routing text's
     /// characters ÷ `chars_per_token`.
     pub fn prompt_tokens(&self, request: &RequestView) -> f64 {
-        match (&request.tokens, &request.routing_text) {
-            (Some(tokens), _) => tokens.ids.len() as f64,
-            (None, Some(text)) => text.len() as f64 / self.params.chars_per_token,
-            (None, None) => 0.0,
-        }
+        request.prompt_tokens(self.params.chars_per_token)
     }
 
     /// The share of the room term judged by recent traffic: `room_work_weight` while the
