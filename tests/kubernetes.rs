@@ -9,7 +9,7 @@ mod fake_kube;
 use std::time::Duration;
 
 use common::binary::{spawn_with, Running};
-use fake_kube::{FakeKube, PodServer};
+use fake_kube::{FakeKube, Gone, PodServer};
 
 /// The binary, its address, killed when dropped.
 struct Inferlb {
@@ -222,6 +222,63 @@ async fn follows_pods_by_selector_through_scale_unready_breaks_and_410() {
         0,
         "a pod the selector does not match never serves"
     );
+}
+
+/// A watch broken for longer than the server keeps history: the watch that resumes from the
+/// last seen resourceVersion is refused with `410` (in the shape `gone`), and keeps being
+/// refused for that version. Only a new list shows that a pod joined and one left in the gap.
+async fn relists_after_a_410_at_watch_start(gone: Gone, name: &str) {
+    let kube = FakeKube::start("prod").await;
+    kube.set_gone(gone);
+    let (a, b, c) = (
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+    );
+    kube.add_pod("vllm-a", APP, "127.0.0.1", a.addr.port());
+    kube.add_pod("vllm-b", APP, "127.0.0.1", b.addr.port());
+    let lb = tokio::task::block_in_place(|| {
+        start(
+            &kube,
+            name,
+            "namespace = \"prod\"\nlabel_selector = \"app=vllm\"\nport = \"http\"",
+            20,
+        )
+    });
+    lb.until_serving(&[url(&a), url(&b)]).await;
+    let (lists, watches) = (kube.lists(), kube.watches());
+    assert_eq!(lists, 1);
+
+    kube.outage(|gap| {
+        gap.add_pod("vllm-c", APP, "127.0.0.1", c.addr.port());
+        gap.delete_pod("vllm-b");
+    });
+    // The resumed watch is refused ...
+    kube.until_watches(watches + 1).await;
+    // ... and the re-list brings the pod that joined and drops the one that left.
+    lb.until_serving(&[url(&a), url(&c)]).await;
+    assert!(
+        kube.lists() > lists,
+        "served the gap's changes without a list"
+    );
+    for i in 0..10 {
+        let (status, backend) = lb.chat(i).await;
+        assert_eq!(status, 200);
+        assert_ne!(backend, url(&b), "a deleted pod still serves");
+    }
+    // The watch started after the list follows changes again.
+    kube.delete_pod("vllm-c");
+    lb.until_serving(&[url(&a)]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relists_after_a_410_status_answering_the_watch() {
+    relists_after_a_410_at_watch_start(Gone::HttpStatus, "gone-status").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relists_after_a_410_error_event_opening_the_watch() {
+    relists_after_a_410_at_watch_start(Gone::ErrorEvent, "gone-event").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,9 +3,13 @@
 //!
 //! The watcher owns the protocol — list (paged), watch from the list's resourceVersion,
 //! bookmarks, resume after a broken watch from the last seen version, a full re-list after
-//! `410 Gone`, and back-off between failed attempts — so this file only keeps a map
+//! a `410 Gone` event inside a watch stream, and back-off between failed attempts — so this
+//! file only keeps a map
 //! `pod name → endpoint` from its events and yields the whole set after each change (after
-//! `InitDone` for a (re-)list, so a re-list never shows a half-listed fleet).
+//! `InitDone` for a (re-)list, so a re-list never shows a half-listed fleet). One thing the
+//! watcher does not do is re-list when the watch *request* is answered `410` (the version was
+//! compacted while the watch was down): it retries the watch at the same version forever. So
+//! any `410` here, whatever its shape, drops the watcher and starts a new one, which lists.
 //!
 //! A Pod is an endpoint when it is `Running`, has a pod IP, its `Ready` condition is `True`
 //! and it has no `deletionTimestamp` (a terminating Pod leaves the set, so it drains).
@@ -172,6 +176,19 @@ fn inference_pool_resource() -> ApiResource {
         api_version: "inference.networking.k8s.io/v1".into(),
         kind: "InferencePool".into(),
         plural: "inferencepools".into(),
+    }
+}
+
+/// Whether the watcher's error is the API server's `410 Gone` (`Expired`: the resourceVersion
+/// is too old), in any of the shapes it comes in: the status of the watch request, an `ERROR`
+/// event in the stream, or a bare `Status` line in the stream.
+fn is_gone(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::WatchError(status) => status.code == 410,
+        watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status))
+        | watcher::Error::InitialListFailed(kube::Error::Api(status)) => status.code == 410,
+        _ => false,
     }
 }
 
@@ -459,6 +476,18 @@ impl Discovery for KubernetesDiscovery {
                                 return Ok(self.set());
                             }
                         }
+                    }
+                    // 410 Gone at the start of a watch (an HTTP status) or inside a stream:
+                    // the resourceVersion this source holds is compacted away, and only a new
+                    // list can tell which Pods came and went in the gap. kube's watcher
+                    // re-lists on the in-stream event but retries a watch whose start failed
+                    // at the same version, forever; so drop the watcher and start a new one,
+                    // which lists first. Paced like a failed start (a server that answers
+                    // every watch with 410 is not hammered).
+                    Some(Err(e)) if is_gone(&e) => {
+                        self.events = None;
+                        self.failures = self.failures.saturating_add(1);
+                        return Err(err(format!("{e}; listing the pods again")));
                     }
                     // The watcher recovers on the next poll, after its back-off.
                     Some(Err(e)) => return Err(err(e)),

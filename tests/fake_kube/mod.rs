@@ -29,6 +29,7 @@ struct Watcher {
 
 #[derive(Default)]
 struct Inner {
+    namespace: String,
     rv: u64,
     /// Watches from a resourceVersion below this get `410 Gone`.
     oldest: u64,
@@ -40,6 +41,20 @@ struct Inner {
     /// Paged lists in progress: continue token → (resourceVersion, remaining items).
     pages: HashMap<u64, (u64, Vec<Value>)>,
     next_page: u64,
+    /// How a watch from a compacted resourceVersion is refused.
+    gone: Gone,
+}
+
+/// The two ways the real API server refuses a watch from a resourceVersion it compacted away.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Gone {
+    /// `200 OK` whose first line is an `ERROR` event with a `410` Status (the watch cache's
+    /// answer, the usual one).
+    #[default]
+    ErrorEvent,
+    /// HTTP `410 Gone` with a Status body on the watch request itself (what a watch served from
+    /// etcd directly answers).
+    HttpStatus,
 }
 
 struct Shared {
@@ -91,6 +106,22 @@ fn gone(rv: u64, oldest: u64) -> Value {
 }
 
 impl Inner {
+    fn pod(&self, name: &str, labels: &[(&str, &str)], ip: &str, port: u16) -> Value {
+        let labels: serde_json::Map<String, Value> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), json!(v)))
+            .collect();
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.namespace, "labels": labels,
+                         "uid": format!("uid-{name}")},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai",
+                                     "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        })
+    }
+
     /// Record a change of `obj` (its resourceVersion set here) and send it to every watch.
     fn publish(&mut self, kind: &'static str, mut obj: Value) {
         self.rv += 1;
@@ -113,6 +144,7 @@ impl FakeKube {
         let shared = Arc::new(Shared {
             namespace: namespace.to_owned(),
             inner: Mutex::new(Inner {
+                namespace: namespace.to_owned(),
                 rv: 100,
                 ..Default::default()
             }),
@@ -158,20 +190,10 @@ impl FakeKube {
     /// A Running, Ready pod `name` at `ip` with labels `labels` and one container whose port
     /// `http` is `port`.
     pub fn add_pod(&self, name: &str, labels: &[(&str, &str)], ip: &str, port: u16) {
-        let labels: serde_json::Map<String, Value> = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), json!(v)))
-            .collect();
-        let pod = json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": self.shared.namespace, "labels": labels,
-                         "uid": format!("uid-{name}")},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai",
-                                     "ports": [{"name": "http", "containerPort": port}]}]},
-            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
-                       "conditions": [{"type": "Ready", "status": "True"}]}
+        self.with(|i| {
+            let pod = i.pod(name, labels, ip, port);
+            i.publish("ADDED", pod);
         });
-        self.with(|i| i.publish("ADDED", pod));
     }
 
     fn modify(&self, name: &str, f: impl FnOnce(&mut Value)) {
@@ -231,6 +253,24 @@ impl FakeKube {
             for w in i.watchers.drain(..) {
                 let _ = w.tx.send(line("ERROR", &status));
             }
+            i.history.clear();
+        });
+    }
+
+    /// How a watch from a compacted resourceVersion is refused from now on.
+    pub fn set_gone(&self, shape: Gone) {
+        self.with(|i| i.gone = shape);
+    }
+
+    /// A watch outage that outlives the history, in one step nobody can watch half of: every
+    /// open watch is cut without a word, `during` changes the pods (no watch is told), and the
+    /// history is compacted up to now. A client that resumes from the resourceVersion it last
+    /// saw is refused with `410` (as [`Gone`] says) every time it tries, until it lists again.
+    pub fn outage(&self, during: impl FnOnce(&mut Outage<'_>)) {
+        self.with(|i| {
+            i.watchers.clear();
+            during(&mut Outage { inner: i });
+            i.oldest = i.rv;
             i.history.clear();
         });
     }
@@ -295,6 +335,23 @@ impl FakeKube {
             i.watchers.retain(|w| !w.tx.is_closed());
             i.watchers.len()
         })
+    }
+}
+
+/// The pod changes of an [`FakeKube::outage`].
+pub struct Outage<'a> {
+    inner: &'a mut Inner,
+}
+
+impl Outage<'_> {
+    pub fn add_pod(&mut self, name: &str, labels: &[(&str, &str)], ip: &str, port: u16) {
+        let pod = self.inner.pod(name, labels, ip, port);
+        self.inner.publish("ADDED", pod);
+    }
+
+    pub fn delete_pod(&mut self, name: &str) {
+        let pod = self.inner.pods.get(name).cloned().unwrap();
+        self.inner.publish("DELETED", pod);
     }
 }
 
@@ -383,8 +440,16 @@ fn watch_pods(
     {
         let mut inner = s.inner.lock().unwrap();
         if from < inner.oldest {
-            // The real server answers 200 and sends the error as the first event.
-            let _ = tx.send(line("ERROR", &gone(from, inner.oldest)));
+            let status = gone(from, inner.oldest);
+            match inner.gone {
+                // The watch cache answers 200 and sends the error as the first event.
+                Gone::ErrorEvent => {
+                    let _ = tx.send(line("ERROR", &status));
+                }
+                Gone::HttpStatus => {
+                    return (StatusCode::GONE, Json(status)).into_response();
+                }
+            }
         } else {
             for (rv, kind, obj) in &inner.history {
                 if *rv > from && matches(&selector, obj) {
