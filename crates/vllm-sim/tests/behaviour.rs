@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{client, fast, first_events, ids_body, scrape};
 use futures_util::StreamExt;
@@ -14,9 +14,10 @@ use vllm_sim::SimConfig;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-/// Sends a streaming request and returns the wall time to its first content chunk.
+/// Sends a streaming request and returns the time to its first content chunk on tokio's clock
+/// (under a paused clock: the simulated time, free of the machine's scheduling delays).
 async fn timed_stream(url: &str, body: serde_json::Value) -> Duration {
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
     let r = client()
         .post(format!("{url}/v1/completions"))
         .json(&body)
@@ -31,7 +32,10 @@ async fn timed_stream(url: &str, body: serde_json::Value) -> Duration {
     ttft
 }
 
-#[tokio::test]
+// Under tokio's paused clock the engine's steps take exactly their modelled time: time moves
+// only when every task waits, so a loaded machine cannot stretch the simulated TTFT (it did,
+// to 0.40 s at `time_scale` 10, with a second test suite running beside this one).
+#[tokio::test(start_paused = true)]
 async fn second_identical_long_prompt_hits_cache_and_starts_faster() {
     let sim = vllm_sim::spawn(SimConfig {
         time_scale: 10.0,
@@ -268,7 +272,11 @@ async fn non_streaming_client_disconnect_aborts() {
     assert!(ok, "dropped connection must abort the request: {s:?}");
 }
 
-#[tokio::test]
+// On tokio's paused clock, like the TTFT test above: time moves only while every task waits,
+// so the engine's steps take exactly their scaled time and a loaded machine cannot put the
+// engine behind schedule (it did: simulated e2e beyond 15 s with a second suite beside it).
+// The wall time below is read on the same clock.
+#[tokio::test(start_paused = true)]
 async fn time_scale_speeds_up_wall_clock_only() {
     // 1000 tokens of decode ≈ 1000 × 6 ms = 6 s simulated; at 100× that is ~60 ms of wall time.
     let sim = vllm_sim::spawn(SimConfig {
@@ -277,7 +285,7 @@ async fn time_scale_speeds_up_wall_clock_only() {
     })
     .await
     .unwrap();
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
     let r = client()
         .post(format!("{}/v1/completions", sim.url()))
         .json(&ids_body(10, 0, 1000, false))
