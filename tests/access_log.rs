@@ -13,6 +13,12 @@ use common::FakeBackend;
 
 const BIN: &str = env!("CARGO_BIN_EXE_inferlb");
 
+/// How long a wait for the binary's next line may take before the test gives up. Every wait
+/// is on the line itself; this only bounds a binary that went silent, so it is far above what
+/// a start-up or a drain takes even on a loaded machine (the 10 s it was could be a guess too
+/// short for a start-up or drain under load).
+const LINE_WITHIN: Duration = Duration::from_secs(120);
+
 struct Running {
     child: Proc,
     addr: String,
@@ -95,7 +101,7 @@ impl Proc {
 }
 
 impl Running {
-    /// The next line whose target is `target`, within 10 s, or `None` when `until` comes first.
+    /// The next line whose target is `target` (within [`LINE_WITHIN`]), or `None` when `until` comes first.
     async fn next(&mut self, target: &str, until: &str) -> Option<serde_json::Value> {
         let wait = async {
             while let Some(v) = self.lines.recv().await {
@@ -109,9 +115,9 @@ impl Running {
             }
             None
         };
-        tokio::time::timeout(Duration::from_secs(10), wait)
+        tokio::time::timeout(LINE_WITHIN, wait)
             .await
-            .unwrap_or_else(|_| panic!("no `{target}` or `{until}` line within 10 s"))
+            .unwrap_or_else(|_| panic!("no `{target}` or `{until}` line within {LINE_WITHIN:?}"))
     }
 
     fn stop(self) {
@@ -210,9 +216,9 @@ fn spawn_text(backend: &FakeBackend) -> (Proc, tokio::sync::mpsc::UnboundedRecei
 }
 
 async fn next_line(lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
-    tokio::time::timeout(Duration::from_secs(10), lines.recv())
+    tokio::time::timeout(LINE_WITHIN, lines.recv())
         .await
-        .expect("no line within 10 s")
+        .expect("no line in time")
         .expect("stdout closed")
 }
 

@@ -53,6 +53,10 @@ pub struct FakeState {
     pub hold_streams: std::sync::atomic::AtomicBool,
     pub last_headers: Mutex<Option<HeaderMap>>,
     pub last_body: Mutex<Option<Bytes>>,
+    /// Every completion body received, in order, published once the body is stored (wait on
+    /// it with [`FakeBackend::nth_body`]; `completions` counts a request before its body is
+    /// kept, so reading `last_body` by that count could read the one before).
+    pub bodies: watch::Sender<Vec<Bytes>>,
     pub completions: std::sync::atomic::AtomicU64,
     /// Status of completion answers (200 = normal).
     pub completion_status: std::sync::atomic::AtomicU16,
@@ -96,6 +100,7 @@ fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
         hold_streams: false.into(),
         last_headers: Mutex::new(None),
         last_body: Mutex::new(None),
+        bodies: watch::channel(Vec::new()).0,
         completions: 0.into(),
         completion_status: 200.into(),
         cut_streams: false.into(),
@@ -128,6 +133,17 @@ fn fake_app(state: &Arc<FakeState>) -> Router {
 }
 
 impl FakeBackend {
+    /// The `n`-th completion body this backend received (1-based), once it has: waits on the
+    /// arrival itself, bounded at 60 s (a router that never sends it).
+    pub async fn nth_body(&self, n: usize) -> Bytes {
+        let mut rx = self.state.bodies.subscribe();
+        let all = tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|b| b.len() >= n))
+            .await
+            .unwrap_or_else(|_| panic!("{} never received completion {n}", self.state.name))
+            .unwrap();
+        all[n - 1].clone()
+    }
+
     pub async fn start(name: &str, models: &[&str]) -> FakeBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         Self::serve(listener, name, models).await
@@ -296,7 +312,8 @@ async fn complete(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Byt
         .ok()
         .and_then(|v| v.get("stream").and_then(|s| s.as_bool()))
         .unwrap_or(false);
-    *s.last_body.lock().unwrap() = Some(body);
+    *s.last_body.lock().unwrap() = Some(body.clone());
+    s.bodies.send_modify(|all| all.push(body.clone()));
     if !stream {
         return Json(serde_json::json!({"object": "chat.completion", "served_by": s.name}))
             .into_response();
