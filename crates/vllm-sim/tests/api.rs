@@ -4,15 +4,18 @@
 
 mod common;
 
-use common::{fast, get_json, post, post_json, sse_events, start, start_with_client};
+use common::{
+    completion, fast, fast_with_len, get_json, post, post_json, sse_events, start,
+    start_with_client,
+};
 use serde_json::{json, Value};
 use vllm_sim::{LoraModule, SimConfig};
 
 #[tokio::test]
 async fn completion_body_has_vllm_shape_and_exact_usage() {
     let sim = start(fast()).await;
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
+    let r = completion(
+        &sim,
         &json!({"prompt": "Hello there, simulator", "max_tokens": 7}),
     )
     .await;
@@ -143,8 +146,8 @@ async fn chat_stream_has_role_content_finish_usage_done() {
 #[tokio::test]
 async fn completion_stream_without_usage() {
     let sim = start(fast()).await;
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
+    let r = completion(
+        &sim,
         &json!({"prompt": "abc", "max_tokens": 3, "stream": true}),
     )
     .await;
@@ -160,11 +163,7 @@ async fn completion_stream_without_usage() {
 
 #[tokio::test]
 async fn bad_requests_get_vllm_errors() {
-    let (sim, c) = start_with_client(SimConfig {
-        max_model_len: 100,
-        ..fast()
-    })
-    .await;
+    let (sim, c) = start_with_client(fast_with_len(100)).await;
     let url = format!("{}/v1/completions", sim.url());
     let chat = format!("{}/v1/chat/completions", sim.url());
     // (what, request, status, error type): schema failures are "Bad Request", vLLM's own
@@ -296,11 +295,7 @@ async fn models_list_base_names_and_lora_adapters() {
 
 #[tokio::test]
 async fn tokenizer_render_and_probe_endpoints() {
-    let (sim, c) = start_with_client(SimConfig {
-        max_model_len: 4096,
-        ..fast()
-    })
-    .await;
+    let (sim, c) = start_with_client(fast_with_len(4096)).await;
     let u = sim.url();
     let v: Value = post_json(&format!("{u}/tokenize"), &json!({"prompt": "hello world"})).await;
     assert_eq!(v["count"], 5, "BOS, hell, o, ' wor', ld: {v}");

@@ -7,8 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    client, fast, first_events, ids_body, post, post_json, real_time, scrape, start,
-    start_with_client,
+    client, completion, fast, first_events, ids_body, post, post_json, real_time, scrape, start,
+    start_with_client, stream_started,
 };
 use futures_util::StreamExt;
 use serde_json::json;
@@ -186,13 +186,7 @@ async fn kv_capacity_limits_admission_and_preempts() {
 #[tokio::test]
 async fn streaming_client_disconnect_aborts_and_frees_blocks() {
     let (sim, c) = start_with_client(real_time()).await;
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
-        &ids_body(300, 3, 2000, true),
-    )
-    .await;
-    let mut stream = r.bytes_stream();
-    assert_eq!(first_events(&mut stream, 2).await.len(), 2);
+    let stream = stream_started(&sim, &ids_body(300, 3, 2000, true), 2).await;
     let s = sim.stats();
     assert_eq!(s.running, 1);
     assert!(
@@ -246,11 +240,7 @@ async fn time_scale_speeds_up_wall_clock_only() {
     })
     .await;
     let t0 = Instant::now();
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
-        &ids_body(10, 0, 1000, false),
-    )
-    .await;
+    let r = completion(&sim, &ids_body(10, 0, 1000, false)).await;
     assert_eq!(r.status(), 200);
     let wall = t0.elapsed();
     let page = scrape(&client(), &sim.url()).await;
@@ -265,11 +255,7 @@ async fn time_scale_speeds_up_wall_clock_only() {
         ..SimConfig::default()
     })
     .await;
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
-        &ids_body(10, 0, 500, false),
-    )
-    .await;
+    let r = completion(&sim, &ids_body(10, 0, 500, false)).await;
     assert_eq!(r.status(), 200);
     let page = scrape(&client(), &sim.url()).await;
     let e2e = page.value("vllm:e2e_request_latency_seconds_sum");

@@ -7,8 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    client, fast, first_events, get_json, ids_body, parse_prometheus, post, real_time, set_faults,
-    start, start_with_client,
+    client, completion, fast, first_events, get_json, ids_body, parse_prometheus, post, real_time,
+    set_faults, start, start_with_client, stream_started,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -155,11 +155,7 @@ async fn first_token_stall_flag() {
     .await;
     for stream in [true, false] {
         let t0 = Instant::now();
-        let r = post(
-            &format!("{}/v1/completions", sim.url()),
-            &ids_body(8, 0, 2, stream),
-        )
-        .await;
+        let r = completion(&sim, &ids_body(8, 0, 2, stream)).await;
         if stream {
             let mut s = r.bytes_stream();
             assert!(!first_events(&mut s, 1).await.is_empty());
@@ -277,13 +273,7 @@ async fn refuse_after_flag_closes_the_port_and_admin_brings_it_back() {
 async fn refuse_connections_drops_live_connections_and_comes_back_by_itself() {
     let (sim, c) = start_with_client(real_time()).await;
     // A long stream in flight on a live connection.
-    let r = post(
-        &format!("{}/v1/completions", sim.url()),
-        &ids_body(20, 0, 3000, true),
-    )
-    .await;
-    let mut s = r.bytes_stream();
-    assert_eq!(first_events(&mut s, 1).await.len(), 1);
+    let mut s = stream_started(&sim, &ids_body(20, 0, 3000, true), 1).await;
     let r = c
         .post(format!("{}/sim/faults", sim.url()))
         .json(&json!({"refuse_connections": true, "refuse_for_ms": 500}))

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{fast, ids_body, parse_prometheus, post, start_with_client};
+use common::{completion, fast, ids_body, parse_prometheus, post, start_with_client};
 use vllm_sim::{LoraModule, SimConfig};
 
 const REQUIRED: &[(&str, &str)] = &[
@@ -28,11 +28,7 @@ const REQUIRED: &[(&str, &str)] = &[
 async fn page_parses_and_has_every_series_with_its_type_and_labels() {
     let (sim, c) = start_with_client(fast()).await;
     for _ in 0..2 {
-        let r = post(
-            &format!("{}/v1/completions", sim.url()),
-            &ids_body(40, 0, 5, false),
-        )
-        .await;
+        let r = completion(&sim, &ids_body(40, 0, 5, false)).await;
         assert_eq!(r.status(), 200);
     }
     let r = c

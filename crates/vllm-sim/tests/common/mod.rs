@@ -26,6 +26,14 @@ pub fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// [`fast`], with a context of `max_model_len` tokens.
+pub fn fast_with_len(max_model_len: usize) -> SimConfig {
+    SimConfig {
+        max_model_len,
+        ..fast()
+    }
+}
+
 /// A simulator in real time (streams and aborts that must take a while).
 pub fn real_time() -> SimConfig {
     SimConfig {
@@ -62,6 +70,22 @@ pub async fn post(url: &str, body: &Value) -> reqwest::Response {
 /// `POST url` with the JSON `body`; the answer's body as JSON.
 pub async fn post_json(url: &str, body: &Value) -> Value {
     json_of(client().post(url).json(body)).await
+}
+
+/// `POST /v1/completions` of `body` to `sim`; the response.
+pub async fn completion(sim: &SimHandle, body: &Value) -> reqwest::Response {
+    post(&format!("{}/v1/completions", sim.url()), body).await
+}
+
+/// A streaming [`completion`] of `body` whose first `n` events have arrived; the rest of it.
+pub async fn stream_started(
+    sim: &SimHandle,
+    body: &Value,
+    n: usize,
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin {
+    let mut s = completion(sim, body).await.bytes_stream();
+    assert_eq!(first_events(&mut s, n).await.len(), n);
+    s
 }
 
 /// `POST {base}/sim/faults` with `body` (the simulator's or its admin port's URL).
@@ -205,14 +229,8 @@ impl Page {
 
 /// The text of `{url}/metrics`.
 pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
-    client
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    let r = client.get(format!("{url}/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
 }
 
 pub async fn scrape(client: &reqwest::Client, url: &str) -> Page {
