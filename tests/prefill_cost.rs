@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{admin_view, client, config, profile, start_router, until_backends_json, FakeBackend};
+use common::{admin_view, client, fleet, profile, FakeBackend};
 
 /// 1,600 tokens of shared system prompt (6,400 characters, 4 per token).
 fn system() -> String {
@@ -40,24 +40,15 @@ fn sent(admin: &serde_json::Value, url: &str) -> (u64, u64) {
 
 #[tokio::test]
 async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_outgrows_it() {
-    let fakes = [
-        FakeBackend::start("a", &["m"]).await,
-        FakeBackend::start("b", &["m"]).await,
-    ];
-    let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    profile(&mut cfg, &[("prefill-cost-scorer", 1.0)]);
-    let scorer = cfg
-        .plugins
-        .iter_mut()
-        .find(|p| p.kind == "prefill-cost-scorer");
-    let parameters = &mut scorer.unwrap().parameters;
-    parameters.insert("decode_weight".into(), toml::Value::Float(0.0));
-    parameters.insert("smoothing".into(), toml::Value::Float(1.0));
-    let router = start_router(cfg).await;
-    until_backends_json(&router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|b| b.iter().all(|b| b["healthy"] == true))
+    let (fakes, router) = fleet(&["a", "b"], |cfg| {
+        profile(cfg, &[("prefill-cost-scorer", 1.0)]);
+        let scorer = cfg
+            .plugins
+            .iter_mut()
+            .find(|p| p.kind == "prefill-cost-scorer");
+        let parameters = &mut scorer.unwrap().parameters;
+        parameters.insert("decode_weight".into(), toml::Value::Float(0.0));
+        parameters.insert("smoothing".into(), toml::Value::Float(1.0));
     })
     .await;
 
