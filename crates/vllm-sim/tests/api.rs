@@ -5,7 +5,7 @@
 mod common;
 
 use common::{
-    completion, fast, fast_with_len, get_json, post, post_json, sse_events, start,
+    completion, fast, fast_with_len, get_json, get_response, post, post_json, sse_events, start,
     start_with_client,
 };
 use serde_json::{json, Value};
@@ -295,7 +295,7 @@ async fn models_list_base_names_and_lora_adapters() {
 
 #[tokio::test]
 async fn tokenizer_render_and_probe_endpoints() {
-    let (sim, c) = start_with_client(fast_with_len(4096)).await;
+    let sim = start(fast_with_len(4096)).await;
     let u = sim.url();
     let v: Value = post_json(&format!("{u}/tokenize"), &json!({"prompt": "hello world"})).await;
     assert_eq!(v["count"], 5, "BOS, hell, o, ' wor', ld: {v}");
@@ -333,7 +333,7 @@ async fn tokenizer_render_and_probe_endpoints() {
     let v: Value = get_json(&format!("{u}/version")).await;
     assert_eq!(v["version"], "0.32.0-sim");
     for path in ["/health", "/ping"] {
-        let r = c.get(format!("{u}{path}")).send().await.unwrap();
+        let r = get_response(&format!("{u}{path}")).await;
         assert_eq!(r.status(), 200);
         assert!(r.bytes().await.unwrap().is_empty());
     }

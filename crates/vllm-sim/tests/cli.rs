@@ -10,7 +10,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use common::kv::{get, kind, u64s};
-use common::{client, get_json, metrics_text, post};
+use common::{client, get_json, get_response, metrics_text, post};
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vllm-sim"));
@@ -88,17 +88,9 @@ async fn fleet_prints_urls_that_serve() {
         3,
     )
     .await;
-    let c = client();
     for url in &lines {
         assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        assert_eq!(
-            c.get(format!("{url}/health"))
-                .send()
-                .await
-                .unwrap()
-                .status(),
-            200
-        );
+        assert_eq!(get_response(&format!("{url}/health")).await.status(), 200);
         let v: serde_json::Value = get_json(&format!("{url}/v1/models")).await;
         assert_eq!(v["data"][0]["id"], "m");
     }

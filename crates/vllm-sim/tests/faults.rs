@@ -7,8 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    client, completion, fast, first_events, get_json, ids_body, parse_prometheus, post, real_time,
-    set_faults, start, start_with_client, stream_started,
+    client, completion, fast, first_events, get_json, get_response, ids_body, parse_prometheus,
+    post, real_time, set_faults, start, start_fast, start_with_client, stream_started,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -18,13 +18,21 @@ async fn complete(url: &str) -> reqwest::Response {
     post(&format!("{url}/v1/completions"), &ids_body(8, 0, 3, false)).await
 }
 
+/// Asserts that at least `ms` milliseconds have passed since `t0` (`what` prefixes the message).
+fn waited_at_least(t0: Instant, ms: u64, what: &str) {
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(ms), "{what}{took:?}");
+}
+
+/// Asserts that less than `ms` milliseconds have passed since `t0`.
+fn answered_within(t0: Instant, ms: u64) {
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(ms), "{took:?}");
+}
+
 #[tokio::test]
 async fn fail_rate_flag_and_runtime_switch() {
-    let sim = start(SimConfig {
-        fail_rate: 1.0,
-        ..fast()
-    })
-    .await;
+    let sim = start_fast(|c| c.fail_rate = 1.0).await;
     let r = complete(&sim.url()).await;
     assert_eq!(r.status(), 500);
     let v: Value = r.json().await.unwrap();
@@ -49,46 +57,22 @@ async fn fail_rate_flag_and_runtime_switch() {
 
 #[tokio::test]
 async fn metrics_delay_flag() {
-    let sim = start(SimConfig {
-        metrics_delay_ms: 2000,
-        ..fast()
-    })
-    .await;
+    let sim = start_fast(|c| c.metrics_delay_ms = 2000).await;
     let t0 = Instant::now();
-    let r = client()
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get_response(&format!("{}/metrics", sim.url())).await;
     assert_eq!(r.status(), 200);
-    assert!(
-        t0.elapsed() >= Duration::from_millis(2000),
-        "{:?}",
-        t0.elapsed()
-    );
+    waited_at_least(t0, 2000, "");
     sim.faults().set_metrics_delay(Duration::ZERO);
     let t0 = Instant::now();
-    client()
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    get_response(&format!("{}/metrics", sim.url())).await;
     // A delay left in place costs 2 s; a scrape without one takes milliseconds. 1 s is far
     // from both, so a loaded machine does not flip the answer.
-    assert!(
-        t0.elapsed() < Duration::from_millis(1000),
-        "{:?}",
-        t0.elapsed()
-    );
+    answered_within(t0, 1000);
 }
 
 #[tokio::test]
 async fn metrics_hang_flag_times_out_and_other_routes_still_answer() {
-    let sim = start(SimConfig {
-        metrics_hang: true,
-        ..fast()
-    })
-    .await;
+    let sim = start_fast(|c| c.metrics_hang = true).await;
     // Only the hung scrape runs against a short client timeout: it must not answer within
     // it (a hang never does). Everything that must answer gets the usual 20 s client, so a
     // slow debug build cannot turn an answer into a timeout.
@@ -102,22 +86,17 @@ async fn metrics_hang_flag_times_out_and_other_routes_still_answer() {
         .await
         .unwrap_err();
     assert!(err.is_timeout(), "{err}");
-    let c = client();
     assert_eq!(
-        c.get(format!("{}/health", sim.url()))
-            .send()
+        get_response(&format!("{}/health", sim.url()))
             .await
-            .unwrap()
             .status(),
         200
     );
     let r = set_faults(&sim.url(), json!({"metrics_hang": false})).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
-        c.get(format!("{}/metrics", sim.url()))
-            .send()
+        get_response(&format!("{}/metrics", sim.url()))
             .await
-            .unwrap()
             .status(),
         200
     );
@@ -125,74 +104,42 @@ async fn metrics_hang_flag_times_out_and_other_routes_still_answer() {
 
 #[tokio::test]
 async fn metrics_garbage_flag() {
-    let sim = start(SimConfig {
-        metrics_garbage: true,
-        ..fast()
-    })
-    .await;
-    let r = client()
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    let sim = start_fast(|c| c.metrics_garbage = true).await;
+    let r = get_response(&format!("{}/metrics", sim.url())).await;
     assert_eq!(r.status(), 200);
     assert!(parse_prometheus(&r.text().await.unwrap()).is_err());
     sim.faults().set_metrics_garbage(false);
-    let r = client()
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get_response(&format!("{}/metrics", sim.url())).await;
     assert!(parse_prometheus(&r.text().await.unwrap()).is_ok());
 }
 
 #[tokio::test]
 async fn first_token_stall_flag() {
-    let sim = start(SimConfig {
-        first_token_stall_ms: 1500,
-        ..fast()
-    })
-    .await;
+    let sim = start_fast(|c| c.first_token_stall_ms = 1500).await;
     for stream in [true, false] {
         let t0 = Instant::now();
         let r = completion(&sim, &ids_body(8, 0, 2, stream)).await;
         if stream {
             let mut s = r.bytes_stream();
             assert!(!first_events(&mut s, 1).await.is_empty());
-            assert!(
-                t0.elapsed() >= Duration::from_millis(1500),
-                "stream: {:?}",
-                t0.elapsed()
-            );
+            waited_at_least(t0, 1500, "stream: ");
             while s.next().await.is_some() {}
         } else {
             assert_eq!(r.status(), 200);
             r.bytes().await.unwrap();
-            assert!(
-                t0.elapsed() >= Duration::from_millis(1500),
-                "whole: {:?}",
-                t0.elapsed()
-            );
+            waited_at_least(t0, 1500, "whole: ");
         }
     }
     sim.faults().set_first_token_stall(Duration::ZERO);
     let t0 = Instant::now();
     complete(&sim.url()).await;
     // A stall left in place costs 1.5 s; a 2-token answer at 20× takes milliseconds.
-    assert!(
-        t0.elapsed() < Duration::from_millis(750),
-        "{:?}",
-        t0.elapsed()
-    );
+    answered_within(t0, 750);
 }
 
 #[tokio::test]
 async fn cut_stream_after_flag_ends_the_body_abruptly() {
-    let sim = start(SimConfig {
-        cut_stream_after: Some(3),
-        ..fast()
-    })
-    .await;
+    let sim = start_fast(|c| c.cut_stream_after = Some(3)).await;
     let r = post(
         &format!("{}/v1/chat/completions", sim.url()),
         &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": true}),

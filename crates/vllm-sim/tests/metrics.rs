@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{completion, fast, ids_body, parse_prometheus, post, start_with_client};
+use common::{
+    completion, fast, get_response, ids_body, parse_prometheus, post, start, start_with_client,
+};
 use vllm_sim::{LoraModule, SimConfig};
 
 const REQUIRED: &[(&str, &str)] = &[
@@ -26,16 +28,12 @@ const REQUIRED: &[(&str, &str)] = &[
 
 #[tokio::test]
 async fn page_parses_and_has_every_series_with_its_type_and_labels() {
-    let (sim, c) = start_with_client(fast()).await;
+    let sim = start(fast()).await;
     for _ in 0..2 {
         let r = completion(&sim, &ids_body(40, 0, 5, false)).await;
         assert_eq!(r.status(), 200);
     }
-    let r = c
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get_response(&format!("{}/metrics", sim.url())).await;
     assert_eq!(
         r.headers()["content-type"],
         "text/plain; version=0.0.4; charset=utf-8"

@@ -47,6 +47,13 @@ pub async fn start(cfg: SimConfig) -> SimHandle {
     vllm_sim::spawn(cfg).await.unwrap()
 }
 
+/// A [`fast`] simulator whose config `set` has changed (one fault flag, say).
+pub async fn start_fast(set: impl FnOnce(&mut SimConfig)) -> SimHandle {
+    let mut cfg = fast();
+    set(&mut cfg);
+    start(cfg).await
+}
+
 /// [`start`], and a [`client`] to talk to it.
 pub async fn start_with_client(cfg: SimConfig) -> (SimHandle, reqwest::Client) {
     (start(cfg).await, client())
@@ -55,6 +62,11 @@ pub async fn start_with_client(cfg: SimConfig) -> (SimHandle, reqwest::Client) {
 /// Sends `req`; the answer's body as JSON (whatever its status).
 pub async fn json_of(req: reqwest::RequestBuilder) -> Value {
     req.send().await.unwrap().json().await.unwrap()
+}
+
+/// `GET url`; the response.
+pub async fn get_response(url: &str) -> reqwest::Response {
+    client().get(url).send().await.unwrap()
 }
 
 /// `GET url`; the answer's body as JSON.
