@@ -7,8 +7,8 @@ mod common;
 use std::collections::HashMap;
 
 use common::{
-    client, config_for, profile, start_router, until_all_healthy, until_backends_json, FakeBackend,
-    TestRouter,
+    backend_of, client, config_for, profile, start_router, until_all_healthy, until_backends_json,
+    FakeBackend, TestRouter,
 };
 use futures_util::StreamExt;
 use inferlb::config::Config;
@@ -22,10 +22,7 @@ async fn send(router: &TestRouter, headers: &[(&str, &str)], body: serde_json::V
     }
     let resp = req.send().await.unwrap();
     assert_eq!(resp.status(), 200);
-    let backend = resp.headers()["x-inferlb-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let backend = backend_of(&resp);
     let _ = resp.bytes().await;
     backend
 }

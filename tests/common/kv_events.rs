@@ -123,14 +123,13 @@ pub fn kv<'a>(v: &'a serde_json::Value, backend: &str) -> &'a serde_json::Value 
 /// `BlockStored` of `tokens`' full blocks, vLLM hashes `base..`, chained to `parent`.
 pub fn stored(base: u64, parent: Option<u64>, tokens: &[u32]) -> Event {
     let n = tokens.len() / BS;
+    // GPU blocks of no adapter, without extra keys.
     Event::Stored(Stored {
         block_hashes: (0..n as u64).map(|i| base + i).collect(),
         parent,
         token_ids: tokens[..n * BS].to_vec(),
         block_size: BS as u32,
-        lora_name: None,
-        medium: Medium::Gpu,
-        extra_keys: Vec::new(),
+        ..Stored::default()
     })
 }
 

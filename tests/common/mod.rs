@@ -464,12 +464,7 @@ pub async fn chat(
 ) -> (u16, Option<String>, serde_json::Value) {
     let body =
         serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = post_chat(router, &body).await;
     let status = resp.status().as_u16();
     let backend = resp
         .headers()
@@ -502,12 +497,25 @@ pub fn stream_body() -> serde_json::Value {
 
 /// POST a streaming chat request through `router`.
 pub async fn open_stream(router: &TestRouter) -> reqwest::Response {
+    post_chat(router, &stream_body()).await
+}
+
+/// POST `body` to the router's `/v1/chat/completions`; the response.
+pub async fn post_chat(router: &TestRouter, body: &serde_json::Value) -> reqwest::Response {
     client()
         .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
+        .json(body)
         .send()
         .await
         .unwrap()
+}
+
+/// The backend that answered `resp`: its `x-inferlb-backend` header.
+pub fn backend_of(resp: &reqwest::Response) -> String {
+    resp.headers()["x-inferlb-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned()
 }
 
 /// The router's `/metrics` page.
