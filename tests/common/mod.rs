@@ -2,9 +2,10 @@
 //!
 //! A [`FakeBackend`] serves `/v1/models`, a `/metrics` page whose values the test sets, and
 //! completions that name the backend in their body; [`fleet`] starts several behind a router
-//! and waits until all are healthy. [`sim`] starts `vllm-sim` simulators instead. Tests wait
-//! on observable events (a scrape counter on a watch channel, a gate for streaming) instead
-//! of sleeping.
+//! and waits until all are healthy. [`sim`] starts `vllm-sim` simulators instead;
+//! [`kv_events`] publishes KV-cache events for fakes; [`binary`] runs the real binary. Tests
+//! wait on observable events (a scrape counter on a watch channel, a gate for streaming)
+//! instead of sleeping.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::net::SocketAddr;
