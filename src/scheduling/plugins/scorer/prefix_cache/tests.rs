@@ -11,6 +11,11 @@ fn scorer(params: &str) -> PrefixCacheScorer {
     PrefixCacheScorer::from_parameters("prefix", &toml::from_str(params).unwrap()).unwrap()
 }
 
+/// `n` backends (ids 0..n) and a scorer with `params`.
+fn setup(n: usize, params: &str) -> (Vec<Arc<Backend>>, PrefixCacheScorer) {
+    (backends(n), scorer(params))
+}
+
 fn view(prompt: &str) -> RequestView {
     let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
     RequestView::parse(Operation::Completions, body.as_bytes()).unwrap()
@@ -31,9 +36,8 @@ fn record(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>], backend: 
 
 #[test]
 fn ratio_of_leading_blocks() {
-    let b = backends(3);
+    let (b, s) = setup(3, "block_size = 4\nroom_weight = 0.0");
     let c = candidates(&b);
-    let s = scorer("block_size = 4\nroom_weight = 0.0");
     let first = view("aaaabbbbccccdddd");
     let (scores, state) = score(&s, &first, &c);
     assert_eq!(scores, vec![0.0, 0.0, 0.0], "empty index matches nothing");
@@ -47,9 +51,8 @@ fn ratio_of_leading_blocks() {
 
 #[test]
 fn short_prompts_score_zero() {
-    let b = backends(2);
+    let (b, s) = setup(2, "block_size = 64");
     let c = candidates(&b);
-    let s = scorer("block_size = 64");
     let (scores, state) = score(&s, &view("short"), &c);
     assert_eq!(scores, vec![0.0, 0.0]);
     s.after_pick(&view("short"), &state, &b[0]);
@@ -58,9 +61,11 @@ fn short_prompts_score_zero() {
 
 #[test]
 fn length_weight_prefers_long_partial_match() {
-    let b = backends(2);
+    let (b, s) = setup(
+        2,
+        "block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16\nroom_weight = 0",
+    );
     let c = candidates(&b);
-    let s = scorer("block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16\nroom_weight = 0");
     let long = view("aaaabbbbccccdddd");
     record(&s, &long, &c, &b[0]);
     // 2 of 4 blocks on backend 0: ratio 0.5, length 8/16 = 0.5 → 0.5.
@@ -82,9 +87,8 @@ fn fill_4_2_0(s: &PrefixCacheScorer, b: &[Arc<Backend>], c: &[Candidate<'_>]) {
 
 #[test]
 fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
-    let b = backends(3);
+    let (b, s) = setup(3, "block_size = 4\ncapacity = 8");
     let c = candidates(&b);
-    let s = scorer("block_size = 4\ncapacity = 8");
     fill_4_2_0(&s, &b, &c);
     let a = view("aaaabbbbccccdddd");
     // Fill 4/8, 2/8, 0/8 → room (min–max) 0, 0.5, 1; nobody matches, so room decides.
@@ -155,9 +159,8 @@ fn recording_keeps_the_head_of_a_prompt_longest() {
 
 #[test]
 fn model_separates_prefixes() {
-    let b = backends(1);
+    let (b, s) = setup(1, "block_size = 4\nroom_weight = 0");
     let c = candidates(&b);
-    let s = scorer("block_size = 4\nroom_weight = 0");
     let v = view("aaaabbbb");
     record(&s, &v, &c, &b[0]);
     let other = RequestView::parse(
@@ -293,9 +296,8 @@ fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
 
 #[test]
 fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
-    let b = backends(3);
+    let (b, s) = setup(3, "block_size = 4\nroom_weight = 0.0");
     let c = candidates(&b);
-    let s = scorer("block_size = 4\nroom_weight = 0.0");
     let ids: Vec<u32> = (0..64).collect();
     let v = token_view(&ids);
     // Backend 2 has no stream: the approximate index, which saw it get this prompt.
@@ -322,9 +324,11 @@ fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
 
 #[test]
 fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
-    let b = backends(2);
+    let (b, s) = setup(
+        2,
+        "block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000\nmemory_weight = 0.0",
+    );
     let c = candidates(&b);
-    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000\nmemory_weight = 0.0");
     let ids: Vec<u32> = (0..32).collect();
     // Both live, block size known, nothing of this prompt held.
     report(&b[0], &[7; 16], 16, 1, 0);
