@@ -6,9 +6,12 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{client, config, profile, start_router, until_backends_json, FakeBackend, TestRouter};
+use common::{
+    backend_of, client, config_for, profile, start_router, until_all_healthy, until_backends_json,
+    FakeBackend, TestRouter,
+};
 use futures_util::StreamExt;
-use inferlb::config::{BackendConfig, Config};
+use inferlb::config::Config;
 
 async fn send(router: &TestRouter, headers: &[(&str, &str)], body: serde_json::Value) -> String {
     let mut req = client()
@@ -19,12 +22,39 @@ async fn send(router: &TestRouter, headers: &[(&str, &str)], body: serde_json::V
     }
     let resp = req.send().await.unwrap();
     assert_eq!(resp.status(), 200);
-    let backend = resp.headers()["x-inferlb-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let backend = backend_of(&resp);
     let _ = resp.bytes().await;
     backend
+}
+
+/// Fakes a, b and c behind a router with the session scorer against an in-flight scorer that,
+/// on idle backends, ties everyone (without affinity each request lands anywhere), its config
+/// as `configure` leaves it; once all are healthy.
+async fn session_fleet(configure: impl FnOnce(&mut Config)) -> (Vec<FakeBackend>, TestRouter) {
+    common::fleet(&["a", "b", "c"], |cfg| {
+        configure(cfg);
+        profile(
+            cfg,
+            &[("session-affinity-scorer", 2.0), ("inflight-scorer", 1.0)],
+        );
+    })
+    .await
+}
+
+/// Sends `n` requests with `headers`, the `i`-th with `body(i)`; how many each backend answered.
+async fn tally(
+    router: &TestRouter,
+    headers: &[(&str, &str)],
+    n: usize,
+    body: impl Fn(usize) -> serde_json::Value,
+) -> HashMap<String, usize> {
+    let mut seen = HashMap::new();
+    for i in 0..n {
+        *seen
+            .entry(send(router, headers, body(i)).await)
+            .or_insert(0) += 1;
+    }
+    seen
 }
 
 fn chat(content: &str) -> serde_json::Value {
@@ -33,47 +63,16 @@ fn chat(content: &str) -> serde_json::Value {
 
 #[tokio::test]
 async fn a_session_sticks_to_its_backend_moves_when_it_fails_and_stays_moved() {
-    let fakes = [
-        FakeBackend::start("a", &["m"]).await,
-        FakeBackend::start("b", &["m"]).await,
-        FakeBackend::start("c", &["m"]).await,
-    ];
-    let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    cfg.poller.stale_after_ms = 1_000;
-    // The session scorer against an in-flight scorer that, on idle backends, ties everyone:
-    // without affinity each request lands anywhere.
-    profile(
-        &mut cfg,
-        &[("session-affinity-scorer", 2.0), ("inflight-scorer", 1.0)],
-    );
-    let router = start_router(cfg).await;
-    until_backends_json(&router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|l| l.iter().all(|b| b["healthy"] == true))
-    })
-    .await;
+    let (fakes, router) = session_fleet(|cfg| cfg.poller.stale_after_ms = 1_000).await;
 
     // Twenty turns of one session, each a different prompt: one backend.
-    let mut seen = HashMap::new();
-    for turn in 0..20 {
-        let b = send(
-            &router,
-            &[("x-session-id", "chat-1")],
-            chat(&format!("turn {turn}")),
-        )
-        .await;
-        *seen.entry(b).or_insert(0) += 1;
-    }
+    let session = [("x-session-id", "chat-1")];
+    let seen = tally(&router, &session, 20, |turn| chat(&format!("turn {turn}"))).await;
     assert_eq!(seen.len(), 1, "one session, one backend: {seen:?}");
     let home = seen.keys().next().unwrap().clone();
 
     // Without a session header the same requests spread.
-    let mut spread = HashMap::new();
-    for turn in 0..30 {
-        let b = send(&router, &[], chat(&format!("turn {turn}"))).await;
-        *spread.entry(b).or_insert(0) += 1;
-    }
+    let spread = tally(&router, &[], 30, |turn| chat(&format!("turn {turn}"))).await;
     assert!(spread.len() >= 2, "no session, no stickiness: {spread:?}");
 
     // Many sessions use more than one backend (rendezvous placement, not one for all).
@@ -97,35 +96,16 @@ async fn a_session_sticks_to_its_backend_moves_when_it_fails_and_stays_moved() {
         })
     })
     .await;
-    let mut moved = HashMap::new();
-    for turn in 0..10 {
-        let b = send(
-            &router,
-            &[("x-session-id", "chat-1")],
-            chat(&format!("more {turn}")),
-        )
-        .await;
-        *moved.entry(b).or_insert(0) += 1;
-    }
+    let moved = tally(&router, &session, 10, |turn| chat(&format!("more {turn}"))).await;
     assert_eq!(moved.len(), 1, "{moved:?}");
     let new_home = moved.keys().next().unwrap().clone();
     assert_ne!(new_home, home);
 
     // …and stays there when the old home comes back.
     failing.set_metrics(|m| m.status = 200);
-    until_backends_json(&router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|l| l.iter().all(|b| b["healthy"] == true))
-    })
-    .await;
+    until_all_healthy(&router).await;
     for turn in 0..10 {
-        let b = send(
-            &router,
-            &[("x-session-id", "chat-1")],
-            chat(&format!("back {turn}")),
-        )
-        .await;
+        let b = send(&router, &session, chat(&format!("back {turn}"))).await;
         assert_eq!(b, new_home, "the session stays where it moved");
     }
     router.shutdown().await;
@@ -133,30 +113,12 @@ async fn a_session_sticks_to_its_backend_moves_when_it_fails_and_stays_moved() {
 
 #[tokio::test]
 async fn the_user_field_keys_the_session_when_configured() {
-    let fakes = [
-        FakeBackend::start("a", &["m"]).await,
-        FakeBackend::start("b", &["m"]).await,
-        FakeBackend::start("c", &["m"]).await,
-    ];
-    let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    cfg.session_from_user = true;
-    profile(
-        &mut cfg,
-        &[("session-affinity-scorer", 2.0), ("inflight-scorer", 1.0)],
-    );
-    let router = start_router(cfg).await;
-    until_backends_json(&router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|l| l.iter().all(|b| b["healthy"] == true))
+    let (_fakes, router) = session_fleet(|cfg| cfg.session_from_user = true).await;
+    let seen = tally(&router, &[], 20, |turn| {
+        serde_json::json!({"model": "m", "user": "alice",
+            "messages": [{"role": "user", "content": format!("q {turn}")}]})
     })
     .await;
-    let mut seen = HashMap::new();
-    for turn in 0..20 {
-        let body = serde_json::json!({"model": "m", "user": "alice",
-            "messages": [{"role": "user", "content": format!("q {turn}")}]});
-        *seen.entry(send(&router, &[], body).await).or_insert(0) += 1;
-    }
     assert_eq!(seen.len(), 1, "{seen:?}");
     router.shutdown().await;
 }
@@ -201,12 +163,7 @@ async fn adapter_requests_go_where_the_adapter_runs() {
         let _ = stream.next().await.unwrap().unwrap();
         holds.push(stream);
     }
-    let mut cfg = Config::default();
-    cfg.poller.interval_ms = 20;
-    cfg.backends = sims
-        .iter()
-        .map(|s| BackendConfig::from_url(s.url()))
-        .collect();
+    let mut cfg = config_for(sims.iter().map(|s| s.url()));
     profile(
         &mut cfg,
         &[("lora-affinity-scorer", 2.0), ("inflight-scorer", 1.0)],

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{config, start_router, until_backends_json, FakeBackend, TestRouter};
+use common::{config, start_router, until_backends_json, TestRouter};
 use inferlb::config::PluginSpec;
 
 /// POST a chat whose one user message is `content`; the backend that answered.
@@ -30,10 +30,7 @@ fn text(seed: char, chars: usize) -> String {
 /// one short prompt sent 20 times makes backend Y the busier by traffic while X stays the
 /// fuller by fill. Returns (X, Y, where a new prefix then goes).
 async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
-    let fakes = [
-        FakeBackend::start("a", &["m"]).await,
-        FakeBackend::start("b", &["m"]).await,
-    ];
+    let fakes = common::fakes(&["a", "b"]).await;
     let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
     // The default profile, its prefix scorer's parameter set.
     cfg.plugins.push(PluginSpec {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{admin_view, client, config, profile, start_router, until_backends_json, FakeBackend};
+use common::{admin_view, backend_of, client, fleet, post_chat, profile, FakeBackend};
 
 /// 1,600 tokens of shared system prompt (6,400 characters, 4 per token).
 fn system() -> String {
@@ -40,39 +40,22 @@ fn sent(admin: &serde_json::Value, url: &str) -> (u64, u64) {
 
 #[tokio::test]
 async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_outgrows_it() {
-    let fakes = [
-        FakeBackend::start("a", &["m"]).await,
-        FakeBackend::start("b", &["m"]).await,
-    ];
-    let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    profile(&mut cfg, &[("prefill-cost-scorer", 1.0)]);
-    let scorer = cfg
-        .plugins
-        .iter_mut()
-        .find(|p| p.kind == "prefill-cost-scorer");
-    let parameters = &mut scorer.unwrap().parameters;
-    parameters.insert("decode_weight".into(), toml::Value::Float(0.0));
-    parameters.insert("smoothing".into(), toml::Value::Float(1.0));
-    let router = start_router(cfg).await;
-    until_backends_json(&router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|b| b.iter().all(|b| b["healthy"] == true))
+    let (fakes, router) = fleet(&["a", "b"], |cfg| {
+        profile(cfg, &[("prefill-cost-scorer", 1.0)]);
+        let scorer = cfg
+            .plugins
+            .iter_mut()
+            .find(|p| p.kind == "prefill-cost-scorer");
+        let parameters = &mut scorer.unwrap().parameters;
+        parameters.insert("decode_weight".into(), toml::Value::Float(0.0));
+        parameters.insert("smoothing".into(), toml::Value::Float(1.0));
     })
     .await;
 
     // The first request puts the prefix on one backend: the holder.
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&chat(0, false))
-        .send()
-        .await
-        .unwrap();
+    let resp = post_chat(&router, &chat(0, false)).await;
     assert_eq!(resp.status(), 200);
-    let holder_url = resp.headers()["x-inferlb-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let holder_url = backend_of(&resp);
     let _ = resp.bytes().await.unwrap();
     let other = fakes.iter().find(|f| f.url() != holder_url).unwrap();
     assert_eq!(sent(&admin_view(&router).await, &holder_url), (0, 0));
@@ -87,17 +70,9 @@ async fn a_hot_prefix_spills_to_a_second_backend_when_its_holders_prefill_queue_
     let mut on_holder = 0;
     let mut spilled = false;
     for i in 1..=12 {
-        let resp = client()
-            .post(router.url("/v1/chat/completions"))
-            .json(&chat(i, true))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_chat(&router, &chat(i, true)).await;
         assert_eq!(resp.status(), 200);
-        let to = resp.headers()["x-inferlb-backend"]
-            .to_str()
-            .unwrap()
-            .to_owned();
+        let to = backend_of(&resp);
         open.push(resp);
         if to == holder_url {
             on_holder += 1;

@@ -98,13 +98,7 @@ async fn streaming_first_chunk_arrives_while_backend_holds_the_rest() {
     let backend = FakeBackend::start("a", &["m"]).await;
     backend.state.hold_streams.store(true, Ordering::Relaxed);
     let router = start_router(config(&[&backend])).await;
-    let body = serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = common::open_stream(&router).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut stream = resp.bytes_stream();

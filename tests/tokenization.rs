@@ -70,6 +70,14 @@ async fn until_live(base: &str) {
     panic!("no live KV-event stream within 20 s");
 }
 
+/// A simulator serving `tiny-llama` that tokenizes with the fixture, as vLLM would.
+fn tokenizing_sim() -> SimConfig {
+    SimConfig {
+        tokenizer: Some(FIXTURE.into()),
+        ..common::sim::config("tiny-llama")
+    }
+}
+
 /// The binary in front of `backend` with the fixture tokenizer, `config` as its config file and
 /// `extra` flags; also returns the config's directory (removed by the caller).
 fn tokenizing_router(
@@ -101,15 +109,7 @@ fn tokenizing_router(
 /// tokenize) and this fails on both assertions.
 #[tokio::test]
 async fn tokenizing_is_skipped_while_no_backend_stream_is_live() {
-    let sim = vllm_sim::spawn(SimConfig {
-        port: 0,
-        model: "tiny-llama".into(),
-        tokenizer: Some(FIXTURE.into()),
-        instant: true,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let sim = common::sim::start(tokenizing_sim()).await;
     let backend = sim.url();
     let (router, dir) = tokenizing_router("skip", "[admin]\nexplain = true\n", &backend, &[]);
     let base = format!("http://{}", router.addr);
@@ -139,21 +139,11 @@ async fn tokenizing_is_skipped_while_no_backend_stream_is_live() {
 async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
     // The simulator publishes KV events (found by `--kv-events auto`): tokens are only
     // computed while some backend's stream is live.
-    let sim = vllm_sim::spawn(SimConfig {
-        port: 0,
-        model: "tiny-llama".into(),
-        tokenizer: Some(FIXTURE.into()),
-        instant: true,
-        kv_events_config: Some(
-            vllm_sim::KvEventsConfig::parse(
-                r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","topic":"kv@sim"}"#,
-            )
-            .unwrap(),
-        ),
-        ..SimConfig::default()
+    let sim = common::sim::start(SimConfig {
+        kv_events_config: Some(common::sim::kv_events()),
+        ..tokenizing_sim()
     })
-    .await
-    .unwrap();
+    .await;
     let backend = sim.url();
     let (router, dir) = tokenizing_router(
         "test",
@@ -192,15 +182,7 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
         ),
     ] {
         // What the simulator (vLLM's stand-in, same tokenizer) computes for this body.
-        let sim_ids: Value = client
-            .post(format!("{backend}/tokenize"))
-            .json(body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let sim_ids = common::post_json(&format!("{backend}/tokenize"), body).await;
         let sim_ids: Vec<u64> = serde_json::from_value(sim_ids["tokens"].clone()).unwrap();
         let want: Vec<u64> = want.into_iter().map(u64::from).collect();
         assert_eq!(
@@ -215,14 +197,7 @@ async fn the_scheduler_sees_the_ids_vllm_computes_for_chat_and_text_prompts() {
             Some(want.len()),
             "{path}: explain header"
         );
-        let decisions: Value = client
-            .get(format!("{base}/admin/decisions?n=1"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let decisions = common::get_json(&format!("{base}/admin/decisions?n=1")).await;
         let newest = &decisions["decisions"][0];
         assert_eq!(newest["prompt_tokens"], want.len(), "{path}: {newest}");
         assert_eq!(

@@ -643,6 +643,14 @@ pub(crate) mod test_support {
         list
     }
 
+    /// Each of `backends` as a candidate without metrics or in-flight requests.
+    pub fn candidates(backends: &[Arc<Backend>]) -> Vec<Candidate<'_>> {
+        backends
+            .iter()
+            .map(|b| Candidate::with_metrics(b, None, 0))
+            .collect()
+    }
+
     pub fn load(waiting: Option<f64>, kv: Option<f64>) -> LoadMetrics {
         LoadMetrics {
             waiting,

@@ -22,6 +22,8 @@ pub mod chain;
 pub mod fleet;
 pub mod store;
 pub mod subscriber;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub mod wire;
 
 use std::sync::Arc;

@@ -1,8 +1,11 @@
 //! Test harness: the real router and small axum fake backends, all on 127.0.0.1 port 0.
 //!
 //! A [`FakeBackend`] serves `/v1/models`, a `/metrics` page whose values the test sets, and
-//! completions that name the backend in their body. Tests wait on observable events (a scrape
-//! counter on a watch channel, a gate for streaming) instead of sleeping.
+//! completions that name the backend in their body; [`fleet`] starts several behind a router
+//! and waits until all are healthy. [`sim`] starts `vllm-sim` simulators instead;
+//! [`kv_events`] publishes KV-cache events for fakes; [`binary`] runs the real binary. Tests
+//! wait on observable events (a scrape counter on a watch channel, a gate for streaming)
+//! instead of sleeping.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::net::SocketAddr;
@@ -21,6 +24,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch, Notify};
 
 pub mod binary;
+pub mod kv_events;
+pub mod sim;
 
 /// What a fake backend's `/metrics` reports.
 #[derive(Debug, Clone)]
@@ -408,14 +413,40 @@ pub struct RouterParts {
 
 /// A config for tests: fast polling, given backends.
 pub fn config(backends: &[&FakeBackend]) -> Config {
+    let mut c = config_for(backends.iter().map(|b| b.url()));
+    c.poller.stale_after_ms = 5_000;
+    c
+}
+
+/// The default config with 20 ms polling and the backends at `urls`.
+pub fn config_for(urls: impl IntoIterator<Item = String>) -> Config {
     let mut c = Config::default();
     c.poller.interval_ms = 20;
-    c.poller.stale_after_ms = 5_000;
-    c.backends = backends
-        .iter()
-        .map(|b| BackendConfig::from_url(b.url()))
-        .collect();
+    c.backends = urls.into_iter().map(BackendConfig::from_url).collect();
     c
+}
+
+/// One fake backend per name in `names`, each serving model `m`.
+pub async fn fakes(names: &[&str]) -> Vec<FakeBackend> {
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        out.push(FakeBackend::start(name, &["m"]).await);
+    }
+    out
+}
+
+/// [`fakes`] named `names` behind a router started with their [`config`] as `configure`
+/// leaves it, once the router sees every one of them healthy.
+pub async fn fleet(
+    names: &[&str],
+    configure: impl FnOnce(&mut Config),
+) -> (Vec<FakeBackend>, TestRouter) {
+    let fakes = fakes(names).await;
+    let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
+    configure(&mut cfg);
+    let router = start_router(cfg).await;
+    until_all_healthy(&router).await;
+    (fakes, router)
 }
 
 pub async fn start_router(config: Config) -> TestRouter {
@@ -451,12 +482,7 @@ pub async fn chat(
 ) -> (u16, Option<String>, serde_json::Value) {
     let body =
         serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    let resp = client()
-        .post(router.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = post_chat(router, &body).await;
     let status = resp.status().as_u16();
     let backend = resp
         .headers()
@@ -489,12 +515,25 @@ pub fn stream_body() -> serde_json::Value {
 
 /// POST a streaming chat request through `router`.
 pub async fn open_stream(router: &TestRouter) -> reqwest::Response {
+    post_chat(router, &stream_body()).await
+}
+
+/// POST `body` to the router's `/v1/chat/completions`; the response.
+pub async fn post_chat(router: &TestRouter, body: &serde_json::Value) -> reqwest::Response {
     client()
         .post(router.url("/v1/chat/completions"))
-        .json(&stream_body())
+        .json(body)
         .send()
         .await
         .unwrap()
+}
+
+/// The backend that answered `resp`: its `x-inferlb-backend` header.
+pub fn backend_of(resp: &reqwest::Response) -> String {
+    resp.headers()["x-inferlb-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned()
 }
 
 /// The router's `/metrics` page.
@@ -504,14 +543,12 @@ pub async fn metrics_text(router: &TestRouter) -> String {
 
 /// The `/metrics` page of the router listening on `addr` (host:port).
 pub async fn metrics_at(addr: &str) -> String {
-    client()
+    let resp = client()
         .get(format!("http://{addr}/metrics"))
         .send()
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+        .unwrap();
+    resp.text().await.unwrap()
 }
 
 /// The router's `/admin/backends` answer.
@@ -521,14 +558,22 @@ pub async fn admin_view(router: &TestRouter) -> serde_json::Value {
 
 /// The `/admin/backends` answer of the router listening on `addr` (host:port).
 pub async fn admin_at(addr: &str) -> serde_json::Value {
-    client()
-        .get(format!("http://{addr}/admin/backends"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(&format!("http://{addr}/admin/backends")).await
+}
+
+/// Sends `req`; the answer's body as JSON (whatever its status).
+pub async fn json_of(req: reqwest::RequestBuilder) -> serde_json::Value {
+    req.send().await.unwrap().json().await.unwrap()
+}
+
+/// `GET url`; the answer's body as JSON.
+pub async fn get_json(url: &str) -> serde_json::Value {
+    json_of(client().get(url)).await
+}
+
+/// `POST url` with the JSON `body`; the answer's body as JSON.
+pub async fn post_json(url: &str, body: &serde_json::Value) -> serde_json::Value {
+    json_of(client().post(url).json(body)).await
 }
 
 /// `healthy` of the backend at `url` in an `/admin/backends` answer.
@@ -538,6 +583,16 @@ pub fn healthy(v: &serde_json::Value, url: &str) -> bool {
         .unwrap()
         .iter()
         .any(|b| b["url"] == url && b["healthy"] == true)
+}
+
+/// Wait until every backend in the router's admin view is healthy ([`until_backends_json`]).
+pub async fn until_all_healthy(router: &TestRouter) {
+    until_backends_json(router, |v| {
+        v["backends"]
+            .as_array()
+            .is_some_and(|l| l.iter().all(|b| b["healthy"] == true))
+    })
+    .await;
 }
 
 /// Wait until the router's admin view satisfies `pred`, re-reading it after each of the

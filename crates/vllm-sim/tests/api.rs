@@ -4,19 +4,21 @@
 
 mod common;
 
-use common::{client, fast, sse_events};
+use common::{
+    completion, fast, fast_with_len, get_json, get_response, post, post_json, sse_events, start,
+    start_with_client,
+};
 use serde_json::{json, Value};
 use vllm_sim::{LoraModule, SimConfig};
 
 #[tokio::test]
 async fn completion_body_has_vllm_shape_and_exact_usage() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&json!({"prompt": "Hello there, simulator", "max_tokens": 7}))
-        .send()
-        .await
-        .unwrap();
+    let sim = start(fast()).await;
+    let r = completion(
+        &sim,
+        &json!({"prompt": "Hello there, simulator", "max_tokens": 7}),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
@@ -35,22 +37,18 @@ async fn completion_body_has_vllm_shape_and_exact_usage() {
     assert_eq!(v["usage"]["completion_tokens"], 7);
     assert_eq!(v["usage"]["total_tokens"], 15);
     // The default output length of completions is 16.
-    let v: Value = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&json!({"prompt": [5, 6, 7]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(
+        &format!("{}/v1/completions", sim.url()),
+        &json!({"prompt": [5, 6, 7]}),
+    )
+    .await;
     assert_eq!(v["usage"]["completion_tokens"], 16);
     assert_eq!(v["usage"]["prompt_tokens"], 3);
 }
 
 #[tokio::test]
 async fn chat_body_has_vllm_shape() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
+    let sim = start(fast()).await;
     let body = json!({
         "model": vllm_sim::config::DEFAULT_MODEL,
         "messages": [
@@ -63,12 +61,7 @@ async fn chat_body_has_vllm_shape() {
         "max_completion_tokens": 5,
         "ignore_eos": true
     });
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(&format!("{}/v1/chat/completions", sim.url()), &body).await;
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
@@ -81,30 +74,25 @@ async fn chat_body_has_vllm_shape() {
         "image placeholder counted"
     );
     // Without max tokens, chat defaults to the rest of the context capped at 256.
-    let v: Value = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(
+        &format!("{}/v1/chat/completions", sim.url()),
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
     assert_eq!(v["usage"]["completion_tokens"], 256);
 }
 
 #[tokio::test]
 async fn chat_stream_has_role_content_finish_usage_done() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&json!({
+    let sim = start(fast()).await;
+    let r = post(
+        &format!("{}/v1/chat/completions", sim.url()),
+        &json!({
             "messages": [{"role": "user", "content": "Stream please"}],
             "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}
-        }))
-        .send()
-        .await
-        .unwrap();
+        }),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()["content-type"],
@@ -157,13 +145,12 @@ async fn chat_stream_has_role_content_finish_usage_done() {
 
 #[tokio::test]
 async fn completion_stream_without_usage() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&json!({"prompt": "abc", "max_tokens": 3, "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let sim = start(fast()).await;
+    let r = completion(
+        &sim,
+        &json!({"prompt": "abc", "max_tokens": 3, "stream": true}),
+    )
+    .await;
     let events = sse_events(r).await;
     assert_eq!(events.len(), 4, "3 chunks then [DONE]: {events:?}");
     let last: Value = serde_json::from_str(&events[2]).unwrap();
@@ -176,13 +163,7 @@ async fn completion_stream_without_usage() {
 
 #[tokio::test]
 async fn bad_requests_get_vllm_errors() {
-    let sim = vllm_sim::spawn(SimConfig {
-        max_model_len: 100,
-        ..fast()
-    })
-    .await
-    .unwrap();
-    let c = client();
+    let (sim, c) = start_with_client(fast_with_len(100)).await;
     let url = format!("{}/v1/completions", sim.url());
     let chat = format!("{}/v1/chat/completions", sim.url());
     // (what, request, status, error type): schema failures are "Bad Request", vLLM's own
@@ -269,34 +250,13 @@ async fn bad_requests_get_vllm_errors() {
             "{what}"
         );
     }
-    let v: Value = c
-        .post(&url)
-        .json(&json!({"model": "nope", "prompt": "x"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(&url, &json!({"model": "nope", "prompt": "x"})).await;
     assert_eq!(v["error"]["param"], "model");
     // Asking for more output than the context has left is lowered to fit, as vLLM 0.32 does.
-    let v: Value = c
-        .post(&url)
-        .json(&json!({"prompt": vec![3; 90], "max_tokens": 20}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(&url, &json!({"prompt": vec![3; 90], "max_tokens": 20})).await;
     assert_eq!(v["usage"]["completion_tokens"], 10);
     // The server is still fine.
-    let r = c
-        .post(&url)
-        .json(&json!({"prompt": "x", "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
+    let r = post(&url, &json!({"prompt": "x", "max_tokens": 1})).await;
     assert_eq!(r.status(), 200);
 }
 
@@ -311,15 +271,8 @@ async fn models_list_base_names_and_lora_adapters() {
         }],
         ..fast()
     };
-    let sim = vllm_sim::spawn(cfg).await.unwrap();
-    let v: Value = client()
-        .get(format!("{}/v1/models", sim.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sim = start(cfg).await;
+    let v: Value = get_json(&format!("{}/v1/models", sim.url())).await;
     assert_eq!(v["object"], "list");
     let data = v["data"].as_array().unwrap();
     let ids: Vec<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
@@ -331,126 +284,56 @@ async fn models_list_base_names_and_lora_adapters() {
     assert_eq!(data[2]["parent"], "base");
     assert_eq!(data[2]["root"], "/loras/sql");
     for model in ["alias", "sql"] {
-        let v: Value = client()
-            .post(format!("{}/v1/completions", sim.url()))
-            .json(&json!({"model": model, "prompt": "x", "max_tokens": 1}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: Value = post_json(
+            &format!("{}/v1/completions", sim.url()),
+            &json!({"model": model, "prompt": "x", "max_tokens": 1}),
+        )
+        .await;
         assert_eq!(v["model"], model, "the requested name is echoed");
     }
 }
 
 #[tokio::test]
 async fn tokenizer_render_and_probe_endpoints() {
-    let sim = vllm_sim::spawn(SimConfig {
-        max_model_len: 4096,
-        ..fast()
-    })
-    .await
-    .unwrap();
-    let c = client();
+    let sim = start(fast_with_len(4096)).await;
     let u = sim.url();
-    let v: Value = c
-        .post(format!("{u}/tokenize"))
-        .json(&json!({"prompt": "hello world"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = post_json(&format!("{u}/tokenize"), &json!({"prompt": "hello world"})).await;
     assert_eq!(v["count"], 5, "BOS, hell, o, ' wor', ld: {v}");
     assert_eq!(v["max_model_len"], 4096);
     assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
     let msgs = json!({"messages": [{"role": "user", "content": "hi"}]});
-    let t: Value = c
-        .post(format!("{u}/tokenize"))
-        .json(&msgs)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let r: Value = c
-        .post(format!("{u}/v1/chat/completions/render"))
-        .json(&msgs)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let t: Value = post_json(&format!("{u}/tokenize"), &msgs).await;
+    let r: Value = post_json(&format!("{u}/v1/chat/completions/render"), &msgs).await;
     assert_eq!(r["token_ids"], t["tokens"], "render and tokenize agree");
     assert_eq!(r["prompt"], "<|user|>\nhi\n<|assistant|>\n");
-    let r: Value = c
-        .post(format!("{u}/v1/completions/render"))
-        .json(&json!({"prompt": "hi"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = post_json(
+        &format!("{u}/v1/completions/render"),
+        &json!({"prompt": "hi"}),
+    )
+    .await;
     assert_eq!(r["token_ids"].as_array().unwrap().len(), 2);
-    let d: Value = c
-        .post(format!("{u}/detokenize"))
-        .json(&json!({"tokens": [vllm_sim::tokenizer::filler_id(0)]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d: Value = post_json(
+        &format!("{u}/detokenize"),
+        &json!({"tokens": [vllm_sim::tokenizer::filler_id(0)]}),
+    )
+    .await;
     assert_eq!(d["prompt"], " the");
     for path in ["/get_model_info", "/model_info"] {
-        let v: Value = c
-            .get(format!("{u}{path}"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: Value = get_json(&format!("{u}{path}")).await;
         assert_eq!(v["is_generation"], true);
         assert_eq!(v["model_path"], vllm_sim::config::DEFAULT_MODEL);
     }
     for path in ["/get_server_info", "/server_info"] {
-        let v: Value = c
-            .get(format!("{u}{path}"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: Value = get_json(&format!("{u}{path}")).await;
         assert_eq!(v["max_total_num_tokens"], 2048 * 16);
         assert_eq!(v["port"], sim.addr().port());
     }
-    let v: Value = c
-        .get(format!("{u}/get_load"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = get_json(&format!("{u}/get_load")).await;
     assert_eq!(v["load"], 0);
-    let v: Value = c
-        .get(format!("{u}/version"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = get_json(&format!("{u}/version")).await;
     assert_eq!(v["version"], "0.32.0-sim");
     for path in ["/health", "/ping"] {
-        let r = c.get(format!("{u}{path}")).send().await.unwrap();
+        let r = get_response(&format!("{u}{path}")).await;
         assert_eq!(r.status(), 200);
         assert!(r.bytes().await.unwrap().is_empty());
     }

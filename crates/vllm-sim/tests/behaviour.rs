@@ -6,7 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, fast, first_events, ids_body, scrape};
+use common::{
+    client, completion, fast, first_events, ids_body, post, post_json, real_time, scrape, start,
+    start_with_client, stream_started,
+};
 use futures_util::StreamExt;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
@@ -18,12 +21,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// (under a paused clock: the simulated time, free of the machine's scheduling delays).
 async fn timed_stream(url: &str, body: serde_json::Value) -> Duration {
     let t0 = tokio::time::Instant::now();
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(&format!("{url}/v1/completions"), &body).await;
     let mut s = r.bytes_stream();
     let events = first_events(&mut s, 1).await;
     let ttft = t0.elapsed();
@@ -37,13 +35,11 @@ async fn timed_stream(url: &str, body: serde_json::Value) -> Duration {
 // to 0.40 s at `time_scale` 10, with a second test suite running beside this one).
 #[tokio::test(start_paused = true)]
 async fn second_identical_long_prompt_hits_cache_and_starts_faster() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let (sim, c) = start_with_client(SimConfig {
         time_scale: 10.0,
         ..SimConfig::default()
     })
-    .await
-    .unwrap();
-    let c = client();
+    .await;
     let url = sim.url();
     let body = ids_body(4000, 1, 4, true);
 
@@ -79,20 +75,11 @@ async fn second_identical_long_prompt_hits_cache_and_starts_faster() {
 
 #[tokio::test]
 async fn chat_turns_share_a_prefix() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
-    let c = client();
+    let sim = start(fast()).await;
     let url = format!("{}/v1/chat/completions", sim.url());
     let system = "You are a helpful assistant. ".repeat(40);
     let turn1 = json!([{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]);
-    let r: serde_json::Value = c
-        .post(&url)
-        .json(&json!({"messages": turn1, "max_tokens": 40}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: serde_json::Value = post_json(&url, &json!({"messages": turn1, "max_tokens": 40})).await;
     let answer = r["choices"][0]["message"]["content"]
         .as_str()
         .unwrap()
@@ -103,11 +90,7 @@ async fn chat_turns_share_a_prefix() {
         {"role": "system", "content": system}, {"role": "user", "content": "First question?"},
         {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}
     ]);
-    c.post(&url)
-        .json(&json!({"messages": turn2, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
+    post(&url, &json!({"messages": turn2, "max_tokens": 1})).await;
     let hit = sim.stats().prefix_hits - before;
     // The whole first prompt and the KV-computed part of the answer (39 of 40 tokens) are
     // re-used, rounded down to full blocks.
@@ -116,13 +99,12 @@ async fn chat_turns_share_a_prefix() {
 
 #[tokio::test]
 async fn beyond_max_num_seqs_requests_wait_and_queue_time_shows() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let sim = start(SimConfig {
         max_num_seqs: 2,
         time_scale: 5.0,
         ..SimConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     let url = sim.url();
     let mut tasks = Vec::new();
     for salt in 0..6 {
@@ -170,18 +152,17 @@ async fn kv_capacity_limits_admission_and_preempts() {
         num_gpu_blocks: 12,
         ..fast()
     };
-    let sim = vllm_sim::spawn(cfg).await.unwrap();
+    let sim = start(cfg).await;
     let url = sim.url();
     let mut tasks = Vec::new();
     for salt in 0..4 {
-        let (c, url) = (client(), url.clone());
+        let url = url.clone();
         tasks.push(tokio::spawn(async move {
-            let r = c
-                .post(format!("{url}/v1/completions"))
-                .json(&ids_body(60, salt, 50, false))
-                .send()
-                .await
-                .unwrap();
+            let r = post(
+                &format!("{url}/v1/completions"),
+                &ids_body(60, salt, 50, false),
+            )
+            .await;
             assert_eq!(r.status(), 200);
             r.json::<serde_json::Value>().await.unwrap()
         }));
@@ -208,21 +189,8 @@ async fn kv_capacity_limits_admission_and_preempts() {
 
 #[tokio::test]
 async fn streaming_client_disconnect_aborts_and_frees_blocks() {
-    let sim = vllm_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let c = client();
-    let r = c
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&ids_body(300, 3, 2000, true))
-        .send()
-        .await
-        .unwrap();
-    let mut stream = r.bytes_stream();
-    assert_eq!(first_events(&mut stream, 2).await.len(), 2);
+    let (sim, c) = start_with_client(real_time()).await;
+    let stream = stream_started(&sim, &ids_body(300, 3, 2000, true), 2).await;
     let s = sim.stats();
     assert_eq!(s.running, 1);
     assert!(
@@ -250,12 +218,7 @@ async fn streaming_client_disconnect_aborts_and_frees_blocks() {
 
 #[tokio::test]
 async fn non_streaming_client_disconnect_aborts() {
-    let sim = vllm_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let sim = start(real_time()).await;
     let body = ids_body(100, 4, 5000, false).to_string();
     let mut sock = tokio::net::TcpStream::connect(sim.addr()).await.unwrap();
     let req = format!(
@@ -279,19 +242,13 @@ async fn non_streaming_client_disconnect_aborts() {
 #[tokio::test(start_paused = true)]
 async fn time_scale_speeds_up_wall_clock_only() {
     // 1000 tokens of decode ≈ 1000 × 6 ms = 6 s simulated; at 100× that is ~60 ms of wall time.
-    let sim = vllm_sim::spawn(SimConfig {
+    let sim = start(SimConfig {
         time_scale: 100.0,
         ..SimConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     let t0 = tokio::time::Instant::now();
-    let r = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&ids_body(10, 0, 1000, false))
-        .send()
-        .await
-        .unwrap();
+    let r = completion(&sim, &ids_body(10, 0, 1000, false)).await;
     assert_eq!(r.status(), 200);
     let wall = t0.elapsed();
     let page = scrape(&client(), &sim.url()).await;
@@ -301,18 +258,12 @@ async fn time_scale_speeds_up_wall_clock_only() {
     // expected time (room for a loaded debug build) and half the unscaled one.
     assert!(wall < Duration::from_secs(3), "wall {wall:?}");
     // --instant: no simulated latency at all, seen in the simulated clock itself.
-    let sim = vllm_sim::spawn(SimConfig {
+    let sim = start(SimConfig {
         instant: true,
         ..SimConfig::default()
     })
-    .await
-    .unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&ids_body(10, 0, 500, false))
-        .send()
-        .await
-        .unwrap();
+    .await;
+    let r = completion(&sim, &ids_body(10, 0, 500, false)).await;
     assert_eq!(r.status(), 200);
     let page = scrape(&client(), &sim.url()).await;
     let e2e = page.value("vllm:e2e_request_latency_seconds_sum");

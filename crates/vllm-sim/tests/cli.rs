@@ -1,11 +1,16 @@
 //! The `vllm-sim` binary: `--help`, a `--fleet` on free ports, flags reaching the server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+
+use common::kv::{get, kind, u64s};
+use common::{client, get_json, get_response, metrics_text, post};
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vllm-sim"));
@@ -83,25 +88,10 @@ async fn fleet_prints_urls_that_serve() {
         3,
     )
     .await;
-    let c = reqwest::Client::new();
     for url in &lines {
         assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        assert_eq!(
-            c.get(format!("{url}/health"))
-                .send()
-                .await
-                .unwrap()
-                .status(),
-            200
-        );
-        let v: serde_json::Value = c
-            .get(format!("{url}/v1/models"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        assert_eq!(get_response(&format!("{url}/health")).await.status(), 200);
+        let v: serde_json::Value = get_json(&format!("{url}/v1/models")).await;
         assert_eq!(v["data"][0]["id"], "m");
     }
     let distinct: std::collections::BTreeSet<&String> = lines.iter().collect();
@@ -127,33 +117,18 @@ async fn fault_and_engine_flags_reach_the_server() {
     ];
     let (mut child, lines) = start(&args, 1).await;
     let (url, admin) = lines[0].split_once(" admin=").unwrap();
-    let c = reqwest::Client::new();
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&serde_json::json!({"prompt": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let c = client();
+    let r = post(
+        &format!("{url}/v1/completions"),
+        &serde_json::json!({"prompt": "x"}),
+    )
+    .await;
     assert_eq!(r.status(), 500);
-    let page = c
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_text(&c, url).await;
     assert!(page.contains("block_size=\"128\""));
     assert!(page.contains("num_gpu_blocks=\"64\""));
     assert!(page.contains("vllm:gpu_cache_usage_perc{"));
-    let v: serde_json::Value = c
-        .get(format!("{admin}/sim/faults"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&format!("{admin}/sim/faults")).await;
     assert_eq!(v["fail_rate"], 1.0);
     child.kill().await.unwrap();
 }
@@ -174,15 +149,8 @@ async fn kv_events_flag_publishes_from_the_binary() {
     let (mut child, lines) = start(&args, 1).await;
     let (url, ep) = lines[0].split_once(" kv_events=").unwrap();
     assert!(ep.starts_with("tcp://127.0.0.1:"), "{ep}");
-    let c = reqwest::Client::new();
-    let v: serde_json::Value = c
-        .get(format!("{url}/kv_event_sources"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let c = client();
+    let v: serde_json::Value = get_json(&format!("{url}/kv_event_sources")).await;
     assert_eq!(
         v["0"]["endpoint"],
         format!("tcp://*:{}", ep.rsplit_once(':').unwrap().1)
@@ -209,12 +177,11 @@ async fn kv_events_flag_publishes_from_the_binary() {
     let first = seen.expect("subscribed");
     assert_eq!(&first.get(0).unwrap()[..], b"kv@bin");
     let ids: Vec<u32> = (100..116).collect();
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&serde_json::json!({"prompt": ids, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
+    let r = post(
+        &format!("{url}/v1/completions"),
+        &serde_json::json!({"prompt": ids, "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     for _ in 0..100 {
         let m = tokio::time::timeout(Duration::from_secs(10), sub.recv())
@@ -224,26 +191,11 @@ async fn kv_events_flag_publishes_from_the_binary() {
         let payload = m.get(2).unwrap().clone();
         let v = rmpv::decode::read_value(&mut &payload[..]).unwrap();
         let events = v.as_array().unwrap()[1].as_array().unwrap().clone();
-        let stored = events.iter().find(|e| {
-            e.as_map()
-                .unwrap()
-                .iter()
-                .any(|(k, v)| k.as_str() == Some("type") && v.as_str() == Some("BlockStored"))
-        });
-        if let Some(e) = stored {
-            let tokens = e
-                .as_map()
-                .unwrap()
-                .iter()
-                .find(|(k, _)| k.as_str() == Some("token_ids"))
-                .map(|(_, v)| {
-                    v.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|t| t.as_u64().unwrap() as u32)
-                        .collect::<Vec<_>>()
-                })
-                .unwrap();
+        if let Some(e) = events.iter().find(|e| kind(e) == "BlockStored") {
+            let tokens: Vec<u32> = u64s(get(e, "token_ids"))
+                .into_iter()
+                .map(|t| t as u32)
+                .collect();
             assert_eq!(tokens, ids);
             child.kill().await.unwrap();
             return;

@@ -8,15 +8,14 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::client;
 use common::kv::*;
+use common::{client, get_json, json_of, start};
 use serde_json::{json, Value as Json};
 use vllm_sim::SimConfig;
 
 #[tokio::test]
 async fn block_stored_carries_each_full_block_and_its_token_ids() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     // 2 full blocks and 8 tokens: only the full blocks are cached and reported.
     let p = ids(2 * BS + 8, 1);
     prompt(&sim, &p).await;
@@ -54,14 +53,7 @@ async fn block_stored_carries_each_full_block_and_its_token_ids() {
     assert_eq!(t, longer[2 * BS..3 * BS]);
     // `/kv_event_sources` names the bound ports and keeps the wildcard, as vLLM reports a
     // publisher that binds (an endpoint without one would tell a subscriber to bind).
-    let v: Json = client()
-        .get(format!("{}/kv_event_sources", sim.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Json = get_json(&format!("{}/kv_event_sources", sim.url())).await;
     let port = |ep: String| ep.rsplit_once(':').unwrap().1.to_string();
     assert_eq!(
         v["0"]["endpoint"],
@@ -82,7 +74,7 @@ async fn block_stored_carries_each_full_block_and_its_token_ids() {
 
 #[tokio::test]
 async fn adapter_blocks_name_the_adapter() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let (sim, mut sub) = start_subscribed(SimConfig {
         lora_modules: vec![vllm_sim::LoraModule {
             name: "sql".into(),
             path: "/p/sql".into(),
@@ -90,9 +82,7 @@ async fn adapter_blocks_name_the_adapter() {
         }],
         ..config(64)
     })
-    .await
-    .unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    .await;
     complete(
         &sim,
         json!({"model": "sql", "prompt": ids(BS, 3), "max_tokens": 1}),
@@ -107,8 +97,7 @@ async fn adapter_blocks_name_the_adapter() {
 
 #[tokio::test]
 async fn cache_salt_isolates_blocks_and_is_reported_on_the_first() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     let p = ids(2 * BS, 4);
     complete(
         &sim,
@@ -134,8 +123,7 @@ async fn cache_salt_isolates_blocks_and_is_reported_on_the_first() {
 #[tokio::test]
 async fn eviction_under_cache_pressure_removes_what_was_stored() {
     // 8 blocks; each prompt fills 4. The third prompt must evict the first one's blocks.
-    let sim = vllm_sim::spawn(config(8)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(8)).await;
     prompt(&sim, &ids(4 * BS, 1)).await;
     let (_, s1) = next_stored(&mut sub).await;
     let first: BTreeSet<u64> = u64s(get(&s1[0], "block_hashes")).into_iter().collect();
@@ -164,14 +152,12 @@ async fn eviction_under_cache_pressure_removes_what_was_stored() {
 
 #[tokio::test]
 async fn reset_prefix_cache_publishes_all_blocks_cleared() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let (sim, mut sub) = start_subscribed(SimConfig {
         instant: false,
         time_scale: 1.0,
         ..config(64)
     })
-    .await
-    .unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    .await;
     let url = format!("{}/reset_prefix_cache", sim.url());
     // A request that runs for a while holds blocks: a plain reset fails, as vLLM's does.
     let long = {
@@ -189,23 +175,9 @@ async fn reset_prefix_cache_publishes_all_blocks_cleared() {
         .wait_for_stats(Duration::from_secs(10), |s| s.running == 1)
         .await;
     assert!(running);
-    let v: Json = client()
-        .post(&url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Json = json_of(client().post(&url)).await;
     assert_eq!(v, json!({"success": false}));
-    let v: Json = client()
-        .post(format!("{url}?reset_running_requests=true"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Json = json_of(client().post(format!("{url}?reset_running_requests=true"))).await;
     assert_eq!(v, json!({"success": true}));
     let mut cleared = false;
     for _ in 0..20 {
@@ -222,8 +194,7 @@ async fn reset_prefix_cache_publishes_all_blocks_cleared() {
 
 #[tokio::test]
 async fn replay_returns_the_buffered_batches() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     let mut seen = Vec::new();
     for salt in 0..3 {
         prompt(&sim, &ids(BS, salt)).await;
@@ -253,13 +224,11 @@ async fn replay_returns_the_buffered_batches() {
 
 #[tokio::test]
 async fn replay_buffer_is_bounded_by_buffer_steps() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let (sim, mut sub) = start_subscribed(SimConfig {
         kv_events_config: Some(kv_config(true, 2)),
         ..config(64)
     })
-    .await
-    .unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    .await;
     for salt in 0..4 {
         prompt(&sim, &ids(BS, salt)).await;
         next_stored(&mut sub).await;
@@ -275,21 +244,13 @@ async fn replay_buffer_is_bounded_by_buffer_steps() {
 
 #[tokio::test]
 async fn without_the_config_nothing_is_published() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let sim = start(SimConfig {
         instant: true,
         ..SimConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(sim.kv_events_endpoint(), None);
-    let v: Json = client()
-        .get(format!("{}/kv_event_sources", sim.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Json = get_json(&format!("{}/kv_event_sources", sim.url())).await;
     assert_eq!(v, json!({}));
     // The reset works without events too.
     assert!(sim.reset_prefix_cache(false).await);

@@ -6,23 +6,17 @@ mod common;
 
 use std::time::Duration;
 
-use common::client;
 use common::kv::*;
+use common::{set_faults, start};
 use serde_json::{json, Value as Json};
 use vllm_sim::SimConfig;
 
 #[tokio::test]
 async fn dropped_batches_leave_a_gap_that_replay_fills() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     prompt(&sim, &ids(BS, 1)).await;
     let (a, _) = next_stored(&mut sub).await;
-    let r = client()
-        .post(format!("{}/sim/faults", sim.url()))
-        .json(&json!({"kv_events_drop_rate": 1.0}))
-        .send()
-        .await
-        .unwrap();
+    let r = set_faults(&sim.url(), json!({"kv_events_drop_rate": 1.0})).await;
     assert_eq!(r.status(), 200);
     let lost = ids(BS, 2);
     prompt(&sim, &lost).await;
@@ -47,16 +41,10 @@ async fn dropped_batches_leave_a_gap_that_replay_fills() {
 
 #[tokio::test]
 async fn a_stalled_stream_goes_silent_then_delivers_in_order() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     prompt(&sim, &ids(BS, 1)).await;
     let (a, _) = next_stored(&mut sub).await;
-    let r = client()
-        .post(format!("{}/sim/faults", sim.url()))
-        .json(&json!({"kv_events_stall": true}))
-        .send()
-        .await
-        .unwrap();
+    let r = set_faults(&sim.url(), json!({"kv_events_stall": true})).await;
     let v: Json = r.json().await.unwrap();
     assert_eq!(v["kv_events_stalled"], true);
     prompt(&sim, &ids(BS, 2)).await;
@@ -78,13 +66,12 @@ async fn a_stalled_stream_goes_silent_then_delivers_in_order() {
 
 #[tokio::test]
 async fn stall_flags_stall_after_n_batches_for_a_while() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let sim = start(SimConfig {
         kv_events_stall_after: Some(2),
         kv_events_stall_ms: 2000,
         ..config(64)
     })
-    .await
-    .unwrap();
+    .await;
     for salt in 0..3 {
         prompt(&sim, &ids(BS, salt)).await;
     }
@@ -104,8 +91,7 @@ async fn stall_flags_stall_after_n_batches_for_a_while() {
 
 #[tokio::test]
 async fn restart_resets_the_sequence_and_wipes_the_cache() {
-    let sim = vllm_sim::spawn(config(64)).await.unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    let (sim, mut sub) = start_subscribed(config(64)).await;
     let p = ids(2 * BS, 1);
     for salt in 2..5 {
         prompt(&sim, &ids(BS, salt)).await;
@@ -115,12 +101,7 @@ async fn restart_resets_the_sequence_and_wipes_the_cache() {
     let (before, s) = next_stored(&mut sub).await;
     let hashes = u64s(get(&s[0], "block_hashes"));
     assert!(before.seq >= 4);
-    let r = client()
-        .post(format!("{}/sim/faults", sim.url()))
-        .json(&json!({"kv_events_restart": true}))
-        .send()
-        .await
-        .unwrap();
+    let r = set_faults(&sim.url(), json!({"kv_events_restart": true})).await;
     assert_eq!(r.status(), 200);
     sub.skip_to = None;
     let b = first_after_restart(&sim, &mut sub).await;
@@ -147,13 +128,11 @@ async fn restart_resets_the_sequence_and_wipes_the_cache() {
 
 #[tokio::test]
 async fn restart_flag_restarts_once_after_n_batches() {
-    let sim = vllm_sim::spawn(SimConfig {
+    let (sim, mut sub) = start_subscribed(SimConfig {
         kv_events_restart_after: Some(20),
         ..config(64)
     })
-    .await
-    .unwrap();
-    let mut sub = Sub::ready(&sim).await;
+    .await;
     let start = sim.kv_stats().unwrap();
     assert_eq!(start.restarts, 0);
     // Resets (one batch each) up to the 20th batch at least (published ones lag behind the

@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{client, fast, ids_body, parse_prometheus};
+use common::{
+    completion, fast, get_response, ids_body, parse_prometheus, post, start, start_with_client,
+};
 use vllm_sim::{LoraModule, SimConfig};
 
 const REQUIRED: &[(&str, &str)] = &[
@@ -26,22 +28,12 @@ const REQUIRED: &[(&str, &str)] = &[
 
 #[tokio::test]
 async fn page_parses_and_has_every_series_with_its_type_and_labels() {
-    let sim = vllm_sim::spawn(fast()).await.unwrap();
-    let c = client();
+    let sim = start(fast()).await;
     for _ in 0..2 {
-        let r = c
-            .post(format!("{}/v1/completions", sim.url()))
-            .json(&ids_body(40, 0, 5, false))
-            .send()
-            .await
-            .unwrap();
+        let r = completion(&sim, &ids_body(40, 0, 5, false)).await;
         assert_eq!(r.status(), 200);
     }
-    let r = c
-        .get(format!("{}/metrics", sim.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get_response(&format!("{}/metrics", sim.url())).await;
     assert_eq!(
         r.headers()["content-type"],
         "text/plain; version=0.0.4; charset=utf-8"
@@ -181,17 +173,11 @@ async fn optional_series_gpu_cache_usage_and_lora_info() {
         time_scale: 1.0,
         ..SimConfig::default()
     };
-    let sim = vllm_sim::spawn(cfg).await.unwrap();
-    let c = client();
+    let (sim, c) = start_with_client(cfg).await;
     let url = sim.url();
     let mut body = ids_body(50, 1, 1000, true);
     body["model"] = "sql".into();
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(&format!("{url}/v1/completions"), &body).await;
     let mut stream = r.bytes_stream();
     common::first_events(&mut stream, 1).await;
     let page = common::scrape(&c, &url).await;

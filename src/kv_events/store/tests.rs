@@ -1,25 +1,7 @@
 #![allow(clippy::unwrap_used)]
 use super::*;
 use crate::kv_events::chain::prompt_chain;
-
-fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>, bs: u32) -> Event {
-    Event::Stored(Stored {
-        block_hashes: hashes.to_vec(),
-        parent,
-        token_ids: tokens.collect(),
-        block_size: bs,
-        lora_name: None,
-        medium: Medium::Gpu,
-        extra_keys: Vec::new(),
-    })
-}
-
-fn removed(hashes: &[u64]) -> Event {
-    Event::Removed {
-        block_hashes: hashes.to_vec(),
-        medium: Medium::Gpu,
-    }
-}
+use crate::kv_events::test_support::{go_live, removed, stored};
 
 fn chain(tokens: std::ops::Range<u32>, bs: usize) -> Vec<u64> {
     let t: Vec<u32> = tokens.collect();
@@ -30,8 +12,7 @@ fn chain(tokens: std::ops::Range<u32>, bs: usize) -> Vec<u64> {
 
 fn live() -> BlockStore {
     let s = BlockStore::default();
-    s.turn_on(1_000, "tcp://test:1".into());
-    s.set_connected(true);
+    go_live(&s, 1_000);
     s
 }
 

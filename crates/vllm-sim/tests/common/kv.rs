@@ -9,7 +9,7 @@ use serde_json::{json, Value as Json};
 use vllm_sim::{KvEventsConfig, SimConfig, SimHandle};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use super::client;
+use super::{post, start};
 
 pub const BS: usize = 16;
 
@@ -80,6 +80,13 @@ pub fn u64s(v: &Value) -> Vec<u64> {
         .collect()
 }
 
+/// A simulator with `cfg` and a [`Sub`] whose subscription has taken effect.
+pub async fn start_subscribed(cfg: SimConfig) -> (SimHandle, Sub) {
+    let sim = start(cfg).await;
+    let sub = Sub::ready(&sim).await;
+    (sim, sub)
+}
+
 pub struct Sub {
     sock: SubSocket,
     /// Batches with a seq up to this one were warm-up traffic.
@@ -141,12 +148,7 @@ pub fn ids(n: usize, salt: u32) -> Vec<u32> {
 }
 
 pub async fn complete(sim: &SimHandle, body: Json) -> Json {
-    let r = client()
-        .post(format!("{}/v1/completions", sim.url()))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post(&format!("{}/v1/completions", sim.url()), &body).await;
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
 }

@@ -1,5 +1,5 @@
-//! Shared helpers of the integration tests: simulator configs, SSE reading, a tiny
-//! Prometheus text parser.
+//! Shared helpers of the integration tests: simulator configs, starting a simulator, HTTP
+//! requests that answer JSON, SSE reading, a tiny Prometheus text parser.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod kv;
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde_json::Value;
-use vllm_sim::SimConfig;
+use vllm_sim::{SimConfig, SimHandle};
 
 /// A fast simulator: 20× real time.
 pub fn fast() -> SimConfig {
@@ -24,6 +24,85 @@ pub fn client() -> reqwest::Client {
         .timeout(Duration::from_secs(20))
         .build()
         .unwrap()
+}
+
+/// [`fast`], with a context of `max_model_len` tokens.
+pub fn fast_with_len(max_model_len: usize) -> SimConfig {
+    SimConfig {
+        max_model_len,
+        ..fast()
+    }
+}
+
+/// A simulator in real time (streams and aborts that must take a while).
+pub fn real_time() -> SimConfig {
+    SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    }
+}
+
+/// A simulator with `cfg`, listening on 127.0.0.1.
+pub async fn start(cfg: SimConfig) -> SimHandle {
+    vllm_sim::spawn(cfg).await.unwrap()
+}
+
+/// A [`fast`] simulator whose config `set` has changed (one fault flag, say).
+pub async fn start_fast(set: impl FnOnce(&mut SimConfig)) -> SimHandle {
+    let mut cfg = fast();
+    set(&mut cfg);
+    start(cfg).await
+}
+
+/// [`start`], and a [`client`] to talk to it.
+pub async fn start_with_client(cfg: SimConfig) -> (SimHandle, reqwest::Client) {
+    (start(cfg).await, client())
+}
+
+/// Sends `req`; the answer's body as JSON (whatever its status).
+pub async fn json_of(req: reqwest::RequestBuilder) -> Value {
+    req.send().await.unwrap().json().await.unwrap()
+}
+
+/// `GET url`; the response.
+pub async fn get_response(url: &str) -> reqwest::Response {
+    client().get(url).send().await.unwrap()
+}
+
+/// `GET url`; the answer's body as JSON.
+pub async fn get_json(url: &str) -> Value {
+    json_of(client().get(url)).await
+}
+
+/// `POST url` with the JSON `body`; the response.
+pub async fn post(url: &str, body: &Value) -> reqwest::Response {
+    client().post(url).json(body).send().await.unwrap()
+}
+
+/// `POST url` with the JSON `body`; the answer's body as JSON.
+pub async fn post_json(url: &str, body: &Value) -> Value {
+    json_of(client().post(url).json(body)).await
+}
+
+/// `POST /v1/completions` of `body` to `sim`; the response.
+pub async fn completion(sim: &SimHandle, body: &Value) -> reqwest::Response {
+    post(&format!("{}/v1/completions", sim.url()), body).await
+}
+
+/// A streaming [`completion`] of `body` whose first `n` events have arrived; the rest of it.
+pub async fn stream_started(
+    sim: &SimHandle,
+    body: &Value,
+    n: usize,
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin {
+    let mut s = completion(sim, body).await.bytes_stream();
+    assert_eq!(first_events(&mut s, n).await.len(), n);
+    s
+}
+
+/// `POST {base}/sim/faults` with `body` (the simulator's or its admin port's URL).
+pub async fn set_faults(base: &str, body: Value) -> reqwest::Response {
+    post(&format!("{base}/sim/faults"), &body).await
 }
 
 /// A completion body with `n` prompt token ids (`salt` varies them) and `max_tokens`.
@@ -160,14 +239,12 @@ impl Page {
     }
 }
 
+/// The text of `{url}/metrics`.
+pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
+    let r = client.get(format!("{url}/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
 pub async fn scrape(client: &reqwest::Client, url: &str) -> Page {
-    let text = client
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    parse_prometheus(&text).unwrap()
+    parse_prometheus(&metrics_text(client, url).await).unwrap()
 }

@@ -3,11 +3,17 @@
 
 use super::*;
 use crate::endpoints::engine::LoadMetrics;
-use crate::endpoints::test_support::backends;
+use crate::endpoints::test_support::{backends, candidates};
+use crate::kv_events::test_support::{go_live, removed, stored};
 use crate::prompt::Operation;
 
 fn scorer(params: &str) -> PrefixCacheScorer {
     PrefixCacheScorer::from_parameters("prefix", &toml::from_str(params).unwrap()).unwrap()
+}
+
+/// `n` backends (ids 0..n) and a scorer with `params`.
+fn setup(n: usize, params: &str) -> (Vec<Arc<Backend>>, PrefixCacheScorer) {
+    (backends(n), scorer(params))
 }
 
 fn view(prompt: &str) -> RequestView {
@@ -22,14 +28,16 @@ fn score(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>]) -> (Vec<f6
     (out, state)
 }
 
+/// Scores `v` on `c`, then picks `backend`: the prompt is recorded there.
+fn record(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>], backend: &Backend) {
+    let (_, state) = score(s, v, c);
+    s.after_pick(v, &state, backend);
+}
+
 #[test]
 fn ratio_of_leading_blocks() {
-    let b = backends(3);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 4\nroom_weight = 0.0");
+    let (b, s) = setup(3, "block_size = 4\nroom_weight = 0.0");
+    let c = candidates(&b);
     let first = view("aaaabbbbccccdddd");
     let (scores, state) = score(&s, &first, &c);
     assert_eq!(scores, vec![0.0, 0.0, 0.0], "empty index matches nothing");
@@ -43,12 +51,8 @@ fn ratio_of_leading_blocks() {
 
 #[test]
 fn short_prompts_score_zero() {
-    let b = backends(2);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 64");
+    let (b, s) = setup(2, "block_size = 64");
+    let c = candidates(&b);
     let (scores, state) = score(&s, &view("short"), &c);
     assert_eq!(scores, vec![0.0, 0.0]);
     s.after_pick(&view("short"), &state, &b[0]);
@@ -57,15 +61,13 @@ fn short_prompts_score_zero() {
 
 #[test]
 fn length_weight_prefers_long_partial_match() {
-    let b = backends(2);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16\nroom_weight = 0");
+    let (b, s) = setup(
+        2,
+        "block_size = 4\nlength_weight = 0.5\nlong_match_chars = 16\nroom_weight = 0",
+    );
+    let c = candidates(&b);
     let long = view("aaaabbbbccccdddd");
-    let (_, state) = score(&s, &long, &c);
-    s.after_pick(&long, &state, &b[0]);
+    record(&s, &long, &c, &b[0]);
     // 2 of 4 blocks on backend 0: ratio 0.5, length 8/16 = 0.5 → 0.5.
     let (scores, _) = score(&s, &view("aaaabbbbxxxxyyyy"), &c);
     assert_eq!(scores, vec![0.5, 0.0]);
@@ -79,19 +81,14 @@ fn length_weight_prefers_long_partial_match() {
 fn fill_4_2_0(s: &PrefixCacheScorer, b: &[Arc<Backend>], c: &[Candidate<'_>]) {
     for (prompt, backend) in [("aaaabbbbccccdddd", &b[0]), ("eeeeffff", &b[1])] {
         let v = view(prompt);
-        let (_, state) = score(s, &v, c);
-        s.after_pick(&v, &state, backend);
+        record(s, &v, c, backend);
     }
 }
 
 #[test]
 fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
-    let b = backends(3);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 4\ncapacity = 8");
+    let (b, s) = setup(3, "block_size = 4\ncapacity = 8");
+    let c = candidates(&b);
     fill_4_2_0(&s, &b, &c);
     let a = view("aaaabbbbccccdddd");
     // Fill 4/8, 2/8, 0/8 → room (min–max) 0, 0.5, 1; nobody matches, so room decides.
@@ -109,10 +106,7 @@ fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
 fn room_by_traffic_weighs_in_as_the_caches_are_free() {
     let b = backends(3);
     let s = scorer("block_size = 4\ncapacity = 8\nroom_work_weight = 1.0");
-    let none: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
+    let none = candidates(&b);
     // Fill 4/8, 2/8, 0/8 (room by fill 0, 0.5, 1)…
     fill_4_2_0(&s, &b, &none);
     // …and recent traffic 0, 2,000, 8,000 tokens (room by traffic 1, 0.75, 0), as of now.
@@ -154,24 +148,21 @@ fn room_by_traffic_weighs_in_as_the_caches_are_free() {
 #[test]
 fn recording_keeps_the_head_of_a_prompt_longest() {
     let b = backends(1);
-    let c = vec![Candidate::with_metrics(&b[0], None, 0)];
+    let c = candidates(&b);
     // Room for 3 of the 4 blocks: the tail block goes first, the head still matches.
     let s = scorer("block_size = 4\ncapacity = 3\nroom_weight = 0");
     let v = view("aaaabbbbccccdddd");
-    let (_, state) = score(&s, &v, &c);
-    s.after_pick(&v, &state, &b[0]);
+    record(&s, &v, &c, &b[0]);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![0.75]);
 }
 
 #[test]
 fn model_separates_prefixes() {
-    let b = backends(1);
-    let c = vec![Candidate::with_metrics(&b[0], None, 0)];
-    let s = scorer("block_size = 4\nroom_weight = 0");
+    let (b, s) = setup(1, "block_size = 4\nroom_weight = 0");
+    let c = candidates(&b);
     let v = view("aaaabbbb");
-    let (_, state) = score(&s, &v, &c);
-    s.after_pick(&v, &state, &b[0]);
+    record(&s, &v, &c, &b[0]);
     let other = RequestView::parse(
         Operation::Completions,
         br#"{"model":"other","prompt":"aaaabbbb"}"#,
@@ -288,57 +279,40 @@ fn token_view(ids: &[u32]) -> RequestView {
 
 /// Backend `b` reports (via its event stream) holding the first `blocks` blocks of `ids`.
 fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
-    use crate::kv_events::wire::{Event, Medium, Stored};
-    b.kv().turn_on(60_000, "tcp://test:1".into());
-    b.kv().set_connected(true);
+    go_live(b.kv(), 60_000);
     let n = blocks.min(ids.len() / bs);
+    let hashes: Vec<u64> = (0..n as u64).map(|i| 1000 + i).collect();
     b.kv().apply(
         seq,
-        &[Event::Stored(Stored {
-            block_hashes: (0..n as u64).map(|i| 1000 + i).collect(),
-            parent: None,
-            token_ids: ids[..n * bs].to_vec(),
-            block_size: bs as u32,
-            lora_name: None,
-            medium: Medium::Gpu,
-            extra_keys: Vec::new(),
-        })],
+        &[stored(
+            &hashes,
+            None,
+            ids[..n * bs].iter().copied(),
+            bs as u32,
+        )],
         crate::kv_events::store::now_ms(),
     );
 }
 
 #[test]
 fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
-    let b = backends(3);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 4\nroom_weight = 0.0");
+    let (b, s) = setup(3, "block_size = 4\nroom_weight = 0.0");
+    let c = candidates(&b);
     let ids: Vec<u32> = (0..64).collect();
     let v = token_view(&ids);
     // Backend 2 has no stream: the approximate index, which saw it get this prompt.
-    let (_, state) = score(&s, &v, &c);
-    s.after_pick(&v, &state, &b[2]);
+    record(&s, &v, &c, &b[2]);
     // Backend 0 reports 2 of the 4 blocks of 16 tokens, backend 1 all 4.
     report(&b[0], &ids, 16, 2, 0);
     report(&b[1], &ids, 16, 4, 0);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![0.5, 1.0, 1.0]);
     // Backend 1 evicts its first block: nothing consecutive from the start is left.
-    b[1].kv().apply(
-        1,
-        &[crate::kv_events::wire::Event::Removed {
-            block_hashes: vec![1000],
-            medium: crate::kv_events::wire::Medium::Gpu,
-        }],
-        0,
-    );
+    b[1].kv().apply(1, &[removed(&[1000])], 0);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![0.5, 0.0, 1.0]);
     // A silent stream falls back to the index (which never saw backend 0 get it).
-    b[0].kv().turn_on(1, "tcp://test:1".into());
-    b[0].kv().set_connected(true);
+    go_live(b[0].kv(), 1);
     b[0].kv().note_sent(&[42], 0, 0, 1);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores[0], 0.0, "silent: approximate");
@@ -350,12 +324,11 @@ fn live_streams_score_by_the_blocks_they_hold_and_the_rest_by_the_index() {
 
 #[test]
 fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
-    let b = backends(2);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
-    let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000\nmemory_weight = 0.0");
+    let (b, s) = setup(
+        2,
+        "block_size = 4\nroom_weight = 0.0\ninflight_ms = 60000\nmemory_weight = 0.0",
+    );
+    let c = candidates(&b);
     let ids: Vec<u32> = (0..32).collect();
     // Both live, block size known, nothing of this prompt held.
     report(&b[0], &[7; 16], 16, 1, 0);
@@ -375,10 +348,7 @@ fn a_pick_counts_its_blocks_in_flight_on_that_backend() {
 #[test]
 fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
     let b = backends(2);
-    let c: Vec<_> = b
-        .iter()
-        .map(|b| Candidate::with_metrics(b, None, 0))
-        .collect();
+    let c = candidates(&b);
     let ids: Vec<u32> = (0..64).collect();
     let v = token_view(&ids);
     // Both live with other blocks; nothing of this prompt is held (say, evicted everywhere).
@@ -387,8 +357,7 @@ fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
     let s = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 1");
     let off = scorer("block_size = 4\nroom_weight = 0.0\ninflight_ms = 1\nmemory_weight = 0.0");
     for s in [&s, &off] {
-        let (_, state) = score(s, &v, &c);
-        s.after_pick(&v, &state, &b[1]);
+        record(s, &v, &c, &b[1]);
     }
     // The in-flight blocks of that pick expire at once (1 ms).
     b[1].kv()
