@@ -20,7 +20,14 @@
 //! messages act on the cache between steps: `reset_prefix_cache` (vLLM's endpoint of that name)
 //! and `restart` (the restart fault: running requests are preempted, the cache is wiped, the
 //! sequence starts again at 0 with `AllBlocksCleared`, the publisher re-opens its sockets).
+//!
+//! P/D disaggregation: a prefill leg ([`Submission::hold`]) keeps its blocks when it finishes,
+//! under a key (its `remote_request_id`), until a pull ([`EngineHandle::pull`]) takes them —
+//! the first pull frees them, so a second one is refused — or until the lease
+//! (`--kv-lease-ms`, wall clock) ends. A decode leg ([`Submission::external`]) enters with the
+//! pulled tokens counted as computed: no prefill compute is charged for them.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -29,6 +36,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::cost::CostModel;
+use crate::kv_cache::BlockId;
 use crate::kv_events::publisher::{PubMsg, PubStats};
 use crate::metrics::{unix_now, Metrics, FINISHED_ABORT, FINISHED_LENGTH};
 use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
@@ -37,7 +45,7 @@ use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
 const MAX_LAG: Duration = Duration::from_millis(50);
 
 /// A request as the HTTP layer hands it to the engine.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Submission {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
@@ -47,10 +55,48 @@ pub struct Submission {
     pub lora: Option<u16>,
     /// `cache_salt` of the request (reported in the first block's KV-event `extra_keys`).
     pub cache_salt: Option<String>,
+    /// When the request reached the server (default: now); a decode leg's pull happens before
+    /// it is submitted, and its time counts in TTFT as in vLLM.
+    pub arrival: Option<Instant>,
+    /// P/D decode leg: prompt tokens whose KV was pulled (see [`crate::scheduler::Seq`]).
+    pub external: usize,
+    /// P/D prefill leg: hold the blocks when finished (see module doc).
+    pub hold: Option<Hold>,
+}
+
+/// Where a prefill leg's held blocks are announced.
+#[derive(Debug)]
+pub struct Hold {
+    /// The `remote_request_id` a pull names.
+    pub key: String,
+    /// Gets the held block ids and the tokens they hold once the request finished (dropped if
+    /// it did not).
+    pub reply: oneshot::Sender<(Vec<BlockId>, usize)>,
+}
+
+/// Why a pull got no blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PullRefused {
+    /// Never held, already pulled, or the lease ended.
+    #[error("no KV blocks are held for this request (never held, already pulled, or expired)")]
+    NotHeld,
+    /// The request is held but under other block ids.
+    #[error("the KV blocks held for this request are not the ones named")]
+    WrongBlocks,
+    /// The engine is gone.
+    #[error("engine stopped")]
+    Stopped,
+}
+
+/// A finished prefill's blocks, waiting for their pull.
+#[derive(Debug)]
+struct Held {
+    blocks: Vec<BlockId>,
+    tokens: usize,
 }
 
 enum Msg {
-    Add(Box<Seq>),
+    Add(Box<Seq>, Option<Hold>),
     Abort(u64),
     /// `POST /reset_prefix_cache`: answers whether the cache was reset.
     ResetPrefixCache {
@@ -59,6 +105,16 @@ enum Msg {
     },
     /// The restart fault.
     Restart,
+    /// A decode server takes held blocks (answers how many tokens they hold).
+    Pull {
+        key: String,
+        blocks: Option<Vec<BlockId>>,
+        reply: oneshot::Sender<Result<usize, PullRefused>>,
+    },
+    /// A lease ended.
+    Expire(String),
+    /// The prefill-dies fault: held blocks are dropped at once.
+    DropHeld(String),
 }
 
 /// Engine state that tests and the HTTP layer can read.
@@ -84,6 +140,14 @@ pub struct Stats {
     /// LoRA adapter loads into a slot (an adapter admitted while not resident); not a vLLM
     /// series, only here and in `/sim/stats`.
     pub lora_loads: u64,
+    /// P/D: prefills whose blocks are held for a pull now.
+    pub kv_held: usize,
+    /// P/D: pulls served (blocks handed over and freed).
+    pub kv_pulls: u64,
+    /// P/D: holds whose lease ended without a pull.
+    pub kv_expired: u64,
+    /// P/D: prompt tokens taken from pulls instead of computed.
+    pub external_tokens: u64,
 }
 
 /// Shared between the engine task and everything that reads its state.
@@ -142,12 +206,15 @@ pub struct EngineHandle {
 impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Msg::Add(s) => write!(f, "Add({})", s.id),
+            Msg::Add(s, _) => write!(f, "Add({})", s.id),
             Msg::Abort(id) => write!(f, "Abort({id})"),
             Msg::ResetPrefixCache { reset_running, .. } => {
                 write!(f, "ResetPrefixCache({reset_running})")
             }
             Msg::Restart => write!(f, "Restart"),
+            Msg::Pull { key, .. } => write!(f, "Pull({key})"),
+            Msg::Expire(key) => write!(f, "Expire({key})"),
+            Msg::DropHeld(key) => write!(f, "DropHeld({key})"),
         }
     }
 }
@@ -200,6 +267,25 @@ impl EngineHandle {
         let _ = self.tx.send(Msg::Restart);
     }
 
+    /// Takes the blocks held under `key` (checking them against `blocks` when given) and frees
+    /// them; answers how many tokens they hold. A second pull of the same key is refused.
+    pub async fn pull(
+        &self,
+        key: String,
+        blocks: Option<Vec<BlockId>>,
+    ) -> Result<usize, PullRefused> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Msg::Pull { key, blocks, reply }).is_err() {
+            return Err(PullRefused::Stopped);
+        }
+        rx.await.unwrap_or(Err(PullRefused::Stopped))
+    }
+
+    /// Frees the blocks held under `key` now, if any (the prefill-dies fault).
+    pub fn drop_held(&self, key: String) {
+        let _ = self.tx.send(Msg::DropHeld(key));
+    }
+
     /// Queues a request; tokens arrive on the returned receiver.
     pub fn submit(&self, sub: Submission) -> (RequestGuard, mpsc::UnboundedReceiver<TokenEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -211,11 +297,13 @@ impl EngineHandle {
             sub.hash_seed,
             sub.lora,
             tx,
-            Instant::now(),
+            sub.arrival.unwrap_or_else(Instant::now),
         );
         seq.cache_salt = sub.cache_salt;
+        seq.external = sub.external;
+        seq.hold = sub.hold.is_some();
         // If the engine is gone the receiver closes at once and the handler reports an error.
-        let _ = self.tx.send(Msg::Add(Box::new(seq)));
+        let _ = self.tx.send(Msg::Add(Box::new(seq), sub.hold));
         (
             RequestGuard {
                 id,
@@ -239,6 +327,8 @@ pub struct EngineConfig {
     pub lora_names: Vec<String>,
     /// Where KV-cache events go (None: not published, not even recorded).
     pub kv: Option<KvSink>,
+    /// How long a prefill's held blocks wait for a pull (wall clock).
+    pub kv_lease: Duration,
 }
 
 /// The engine's end of the KV-event publisher.
@@ -272,6 +362,11 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         sched,
         cfg,
         shared,
+        me: handle.tx.downgrade(),
+        holds: HashMap::new(),
+        held: HashMap::new(),
+        kv_pulls: 0,
+        kv_expired: 0,
         steps: 0,
         lora_loads: 0,
         stats: Stats::default(),
@@ -292,6 +387,14 @@ struct Engine {
     kv_seq: u64,
     /// KV-event batches handed to the publisher since start (for `restart_after`).
     kv_batches: u64,
+    /// For lease timers (weak: the engine still ends when every handle is gone).
+    me: mpsc::WeakUnboundedSender<Msg>,
+    /// Prefill legs still running, by sequence id.
+    holds: HashMap<u64, Hold>,
+    /// Finished prefills' blocks, by key.
+    held: HashMap<String, Held>,
+    kv_pulls: u64,
+    kv_expired: u64,
 }
 
 impl Engine {
@@ -354,11 +457,17 @@ impl Engine {
             self.lora_loads += u64::from(plan.lora_loads);
             m.prefix_queries += plan.prefix_queries;
             m.prefix_hits += plan.prefix_hits;
+            m.external_queries += plan.external_queries;
+            m.external_hits += plan.external_hits;
             let mut first_tokens = Vec::new();
             let left = self.sched.apply(end, |seq| {
                 m.generation_tokens += 1;
                 if seq.generated == 1 {
-                    first_tokens.push((seq.prompt_len, seq.cached_at_admission));
+                    first_tokens.push((
+                        seq.prompt_len,
+                        seq.cached_at_admission,
+                        seq.external_at_admission,
+                    ));
                     if let Some(t0) = seq.times.first_token {
                         m.ttft.observe(secs(t0, seq.times.arrival, scale));
                     }
@@ -367,6 +476,7 @@ impl Engine {
                 }
             });
             drop(m);
+            let left = self.hold_finished(left);
             self.record(first_tokens, left);
             self.flush_kv();
             self.publish();
@@ -402,6 +512,10 @@ impl Engine {
     fn restart(&mut self) {
         let preempted = self.sched.preempt_all();
         self.shared.metrics().preemptions += u64::from(preempted);
+        // The held prefills die with the process.
+        for (_, h) in self.held.drain() {
+            self.sched.pool.free(&h.blocks);
+        }
         self.sched.pool.wipe();
         self.kv_seq = 0;
         if let Some(kv) = &self.cfg.kv {
@@ -418,8 +532,15 @@ impl Engine {
 
     fn handle(&mut self, msg: Msg) {
         match msg {
-            Msg::Add(seq) => self.sched.waiting.push_back(*seq),
+            Msg::Add(seq, hold) => {
+                if let Some(h) = hold {
+                    self.holds.insert(seq.id, h);
+                }
+                self.sched.waiting.push_back(*seq)
+            }
             Msg::Abort(id) => {
+                // An aborted prefill frees its blocks at once (vLLM returns no params).
+                self.holds.remove(&id);
                 if self.sched.abort(id).is_some() {
                     self.shared.metrics().finished[FINISHED_ABORT] += 1;
                     self.publish();
@@ -439,15 +560,86 @@ impl Engine {
                 let _ = reply.send(ok);
             }
             Msg::Restart => self.restart(),
+            Msg::Pull { key, blocks, reply } => {
+                let answer = match self.held.get(&key) {
+                    None => Err(PullRefused::NotHeld),
+                    Some(h) if blocks.as_ref().is_some_and(|b| *b != h.blocks) => {
+                        Err(PullRefused::WrongBlocks)
+                    }
+                    Some(_) => {
+                        let h = self.release(&key);
+                        self.kv_pulls += 1;
+                        Ok(h.map_or(0, |h| h.tokens))
+                    }
+                };
+                self.publish();
+                let _ = reply.send(answer);
+            }
+            Msg::Expire(key) => {
+                if self.release(&key).is_some() {
+                    tracing::warn!(%key, "KV lease ended without a pull; blocks freed");
+                    self.kv_expired += 1;
+                    self.publish();
+                }
+            }
+            Msg::DropHeld(key) => {
+                if self.release(&key).is_some() {
+                    self.publish();
+                }
+            }
         }
     }
 
+    /// Frees the blocks held under `key`.
+    fn release(&mut self, key: &str) -> Option<Held> {
+        let h = self.held.remove(key)?;
+        self.sched.pool.free(&h.blocks);
+        Some(h)
+    }
+
+    /// Finished prefill legs keep their blocks under their key, announce them and start their
+    /// lease; every other departure just forgets its hold.
+    fn hold_finished(&mut self, left: Vec<Finished>) -> Vec<Finished> {
+        for f in &left {
+            let Some(hold) = self.holds.remove(&f.seq.id) else {
+                continue;
+            };
+            if f.reason.is_none() || !f.seq.hold {
+                continue;
+            }
+            let blocks = f.seq.blocks.clone();
+            // The request finished even if its client is gone by now: vLLM holds the blocks
+            // all the same, until the lease ends.
+            let _ = hold.reply.send((blocks.clone(), f.seq.num_computed));
+            let old = self.held.insert(
+                hold.key.clone(),
+                Held {
+                    blocks,
+                    tokens: f.seq.num_computed,
+                },
+            );
+            if let Some(old) = old {
+                self.sched.pool.free(&old.blocks);
+            }
+            let me = self.me.clone();
+            let lease = self.cfg.kv_lease;
+            tokio::spawn(async move {
+                tokio::time::sleep(lease).await;
+                if let Some(tx) = me.upgrade() {
+                    let _ = tx.send(Msg::Expire(hold.key));
+                }
+            });
+        }
+        left
+    }
+
     /// Per-step bookkeeping after `apply`: token counters and finished-request histograms.
-    fn record(&mut self, first_tokens: Vec<(usize, usize)>, left: Vec<Finished>) {
+    fn record(&mut self, first_tokens: Vec<(usize, usize, usize)>, left: Vec<Finished>) {
         let scale = self.cfg.time_scale;
         let mut m = self.shared.metrics();
-        for (prompt_len, cached) in first_tokens {
-            m.prompt_tokens_cached += cached as u64;
+        for (prompt_len, cached, external) in first_tokens {
+            m.prompt_tokens_cached += (cached - external) as u64;
+            m.prompt_tokens_external += external as u64;
             m.prompt_tokens_computed += (prompt_len - cached) as u64;
         }
         for f in left {
@@ -524,10 +716,16 @@ impl Engine {
             preemptions: m.preemptions,
             finished: m.finished[FINISHED_LENGTH],
             aborted: m.finished[FINISHED_ABORT],
-            prompt_tokens: m.prompt_tokens_cached + m.prompt_tokens_computed,
+            prompt_tokens: m.prompt_tokens_cached
+                + m.prompt_tokens_computed
+                + m.prompt_tokens_external,
             generation_tokens: m.generation_tokens,
             steps: self.steps,
             lora_loads: self.lora_loads,
+            kv_held: self.held.len(),
+            kv_pulls: self.kv_pulls,
+            kv_expired: self.kv_expired,
+            external_tokens: m.prompt_tokens_external,
         };
         drop(m);
         *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
@@ -539,3 +737,7 @@ impl Engine {
 fn secs(later: Instant, earlier: Instant, scale: f64) -> f64 {
     later.saturating_duration_since(earlier).as_secs_f64() * scale
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

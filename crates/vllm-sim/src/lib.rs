@@ -92,6 +92,10 @@ impl Sim {
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let names = config.model_names();
+        let kv_engine_id = config
+            .kv_engine_id
+            .clone()
+            .unwrap_or_else(api::pd::random_engine_id);
         let hf = match &config.tokenizer {
             Some(dir) => Some(std::sync::Arc::new(
                 hf_tokenize::HfTokenizer::from_dir(dir)
@@ -154,6 +158,7 @@ impl Sim {
             max_model_len: config.max_model_len,
             lora_names,
             kv: kv_sink,
+            kv_lease: Duration::from_millis(config.kv_lease_ms),
         });
         let page_info = PageInfo {
             model_name: names[0].clone(),
@@ -174,6 +179,7 @@ impl Sim {
             addr,
             hf,
             kv: kv_info,
+            kv_engine_id,
         });
         Ok(Self {
             state,
