@@ -366,14 +366,15 @@ pub async fn serve_pull(State(st): State<AppState>, body: Bytes) -> Response {
 
 /// A random UUID (version 4 layout), for `--kv-engine-id`'s default.
 pub fn random_engine_id() -> String {
-    let r = fastrand::u128(..);
-    let hex = format!("{r:032x}");
+    let hex = format!("{:032x}", fastrand::u128(..));
+    // Version nibble 4, variant bits 10xx (one of 8, 9, a, b).
+    let variant = ["8", "9", "a", "b"][fastrand::usize(..4)];
     format!(
-        "{}-{}-4{}-{}-{}",
+        "{}-{}-4{}-{variant}{}-{}",
         &hex[0..8],
         &hex[8..12],
         &hex[13..16],
-        &hex[16..20],
+        &hex[17..20],
         &hex[20..32]
     )
 }
@@ -418,6 +419,9 @@ mod tests {
         let mut port = ok.clone();
         port.insert("remote_port".into(), json!(70000));
         assert!(remote(&port).unwrap().is_err(), "a bad port fails the pull");
-        assert_eq!(random_engine_id().len(), 36);
+        let id = random_engine_id();
+        assert_eq!(id.len(), 36);
+        assert_eq!(&id[14..15], "4");
+        assert!("89ab".contains(&id[19..20]), "{id}");
     }
 }
