@@ -27,7 +27,6 @@
 //! (`--kv-lease-ms`, wall clock) ends. A decode leg ([`Submission::external`]) enters with the
 //! pulled tokens counted as computed: no prefill compute is charged for them.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -38,6 +37,8 @@ use tokio::time::Instant;
 use crate::cost::CostModel;
 use crate::kv_cache::BlockId;
 use crate::kv_events::publisher::{PubMsg, PubStats};
+use crate::kv_holds::Holds;
+pub use crate::kv_holds::{Hold, PullRefused};
 use crate::metrics::{unix_now, Metrics, FINISHED_ABORT, FINISHED_LENGTH};
 use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
 
@@ -62,37 +63,6 @@ pub struct Submission {
     pub external: usize,
     /// P/D prefill leg: hold the blocks when finished (see module doc).
     pub hold: Option<Hold>,
-}
-
-/// Where a prefill leg's held blocks are announced.
-#[derive(Debug)]
-pub struct Hold {
-    /// The `remote_request_id` a pull names.
-    pub key: String,
-    /// Gets the held block ids and the tokens they hold once the request finished (dropped if
-    /// it did not).
-    pub reply: oneshot::Sender<(Vec<BlockId>, usize)>,
-}
-
-/// Why a pull got no blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum PullRefused {
-    /// Never held, already pulled, or the lease ended.
-    #[error("no KV blocks are held for this request (never held, already pulled, or expired)")]
-    NotHeld,
-    /// The request is held but under other block ids.
-    #[error("the KV blocks held for this request are not the ones named")]
-    WrongBlocks,
-    /// The engine is gone.
-    #[error("engine stopped")]
-    Stopped,
-}
-
-/// A finished prefill's blocks, waiting for their pull.
-#[derive(Debug)]
-struct Held {
-    blocks: Vec<BlockId>,
-    tokens: usize,
 }
 
 enum Msg {
@@ -363,10 +333,7 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         cfg,
         shared,
         me: handle.tx.downgrade(),
-        holds: HashMap::new(),
-        held: HashMap::new(),
-        kv_pulls: 0,
-        kv_expired: 0,
+        holds: Holds::default(),
         steps: 0,
         lora_loads: 0,
         stats: Stats::default(),
@@ -389,12 +356,8 @@ struct Engine {
     kv_batches: u64,
     /// For lease timers (weak: the engine still ends when every handle is gone).
     me: mpsc::WeakUnboundedSender<Msg>,
-    /// Prefill legs still running, by sequence id.
-    holds: HashMap<u64, Hold>,
-    /// Finished prefills' blocks, by key.
-    held: HashMap<String, Held>,
-    kv_pulls: u64,
-    kv_expired: u64,
+    /// P/D prefill legs and their held blocks.
+    holds: Holds,
 }
 
 impl Engine {
@@ -513,9 +476,7 @@ impl Engine {
         let preempted = self.sched.preempt_all();
         self.shared.metrics().preemptions += u64::from(preempted);
         // The held prefills die with the process.
-        for (_, h) in self.held.drain() {
-            self.sched.pool.free(&h.blocks);
-        }
+        self.holds.clear(&mut self.sched.pool);
         self.sched.pool.wipe();
         self.kv_seq = 0;
         if let Some(kv) = &self.cfg.kv {
@@ -534,13 +495,13 @@ impl Engine {
         match msg {
             Msg::Add(seq, hold) => {
                 if let Some(h) = hold {
-                    self.holds.insert(seq.id, h);
+                    self.holds.start(seq.id, h);
                 }
                 self.sched.waiting.push_back(*seq)
             }
             Msg::Abort(id) => {
                 // An aborted prefill frees its blocks at once (vLLM returns no params).
-                self.holds.remove(&id);
+                self.holds.forget(id);
                 if self.sched.abort(id).is_some() {
                     self.shared.metrics().finished[FINISHED_ABORT] += 1;
                     self.publish();
@@ -561,72 +522,35 @@ impl Engine {
             }
             Msg::Restart => self.restart(),
             Msg::Pull { key, blocks, reply } => {
-                let answer = match self.held.get(&key) {
-                    None => Err(PullRefused::NotHeld),
-                    Some(h) if blocks.as_ref().is_some_and(|b| *b != h.blocks) => {
-                        Err(PullRefused::WrongBlocks)
-                    }
-                    Some(_) => {
-                        let h = self.release(&key);
-                        self.kv_pulls += 1;
-                        Ok(h.map_or(0, |h| h.tokens))
-                    }
-                };
+                let answer = self
+                    .holds
+                    .pull(&key, blocks.as_deref(), &mut self.sched.pool);
                 self.publish();
                 let _ = reply.send(answer);
             }
             Msg::Expire(key) => {
-                if self.release(&key).is_some() {
+                if self.holds.expire(&key, &mut self.sched.pool) {
                     tracing::warn!(%key, "KV lease ended without a pull; blocks freed");
-                    self.kv_expired += 1;
                     self.publish();
                 }
             }
             Msg::DropHeld(key) => {
-                if self.release(&key).is_some() {
+                if self.holds.release(&key, &mut self.sched.pool) {
                     self.publish();
                 }
             }
         }
     }
 
-    /// Frees the blocks held under `key`.
-    fn release(&mut self, key: &str) -> Option<Held> {
-        let h = self.held.remove(key)?;
-        self.sched.pool.free(&h.blocks);
-        Some(h)
-    }
-
-    /// Finished prefill legs keep their blocks under their key, announce them and start their
-    /// lease; every other departure just forgets its hold.
+    /// Finished prefill legs keep their blocks (see [`Holds::finish`]); each starts its lease.
     fn hold_finished(&mut self, left: Vec<Finished>) -> Vec<Finished> {
-        for f in &left {
-            let Some(hold) = self.holds.remove(&f.seq.id) else {
-                continue;
-            };
-            if f.reason.is_none() || !f.seq.hold {
-                continue;
-            }
-            let blocks = f.seq.blocks.clone();
-            // The request finished even if its client is gone by now: vLLM holds the blocks
-            // all the same, until the lease ends.
-            let _ = hold.reply.send((blocks.clone(), f.seq.num_computed));
-            let old = self.held.insert(
-                hold.key.clone(),
-                Held {
-                    blocks,
-                    tokens: f.seq.num_computed,
-                },
-            );
-            if let Some(old) = old {
-                self.sched.pool.free(&old.blocks);
-            }
+        for key in self.holds.finish(&left, &mut self.sched.pool) {
             let me = self.me.clone();
             let lease = self.cfg.kv_lease;
             tokio::spawn(async move {
                 tokio::time::sleep(lease).await;
                 if let Some(tx) = me.upgrade() {
-                    let _ = tx.send(Msg::Expire(hold.key));
+                    let _ = tx.send(Msg::Expire(key));
                 }
             });
         }
@@ -722,9 +646,9 @@ impl Engine {
             generation_tokens: m.generation_tokens,
             steps: self.steps,
             lora_loads: self.lora_loads,
-            kv_held: self.held.len(),
-            kv_pulls: self.kv_pulls,
-            kv_expired: self.kv_expired,
+            kv_held: self.holds.len(),
+            kv_pulls: self.holds.pulls,
+            kv_expired: self.holds.expired,
             external_tokens: m.prompt_tokens_external,
         };
         drop(m);
