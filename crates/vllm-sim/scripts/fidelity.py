@@ -252,6 +252,7 @@ def main():
         say(f"| {name} | " + " | ".join(row) + " |")
     say()
     say(GAPS)
+    say(PD)
     print("\n".join(out))
 
 
@@ -279,6 +280,97 @@ GAPS = """## Reading the differences
   `0.32.0-sim`. The SGLang probes (`/get_model_info`, ...) are simulator-only (vLLM has none).
 - **Timing** is not compared: the real server is a CPU build running a tiny random model; the
   simulator's cost model stands for Llama-3.1-8B on an H100 (see README).
+"""
+
+
+# Not measured against a real server (no NIXL on the CPU build): written, not generated.
+PD = """## P/D cost model
+
+Not compared with a real server: NIXL does not run on the CPU build here (the `nixl` wheels
+bundle a CUDA-linked UCX, ai-dynamo/nixl issue #838), so this section states the model and
+where each part comes from. The protocol is vLLM's NixlConnector as read from vLLM's source:
+
+- `vllm/entrypoints/openai/chat_completion/protocol.py` and `…/completion/protocol.py` @
+  `002032ee2b18e1f7bd924ec47b62504ba3866063`: `kv_transfer_params` (`dict | None`) on both
+  requests and at the top of both whole responses (`null` when unused); stream chunks have no
+  such field.
+- `vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py` and
+  `…/nixl/base_scheduler.py` @ `0050936b22adda2ef0197fa3bb2551fe6c5437dc`: the prefill side's
+  answer (`do_remote_prefill: true`, `do_remote_decode: false`, `remote_block_ids` one list per
+  KV-cache group, `remote_engine_id`, `remote_request_id`, `remote_host`, `remote_port`,
+  `tp_size`, `dcp_size`, `pp_size`, `remote_num_tokens`, `remote_blocks_expiry_time: null`,
+  `transfer_mode: "pull"`); blocks held until the decode side's read or the lease
+  (`kv_lease_duration`, 30 s); the decode side needs `remote_block_ids` and the four remote keys,
+  otherwise it logs "invalid KVTransferParams" and computes locally; one transfer per request.
+- `vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py` @
+  `02cfb534df5674737558730b10f23d1b7aef9b7c`: the schema history (`remote_request_id` from
+  connector version 2, leases from 4, `remote_blocks_expiry_time` from 5).
+- `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py` @
+  `002a1057e9ae674d7bdc9c4be95bc29d65d2e808`: the older flat `remote_block_ids`; the prefill side
+  frees its blocks after the first read notification.
+- `kv_load_failure_policy`: `recompute` in `vllm/config/kv_transfer.py` @
+  `9dc4946457fb6963f05e08b04382013a745cad8a`, `fail` since vLLM PR #34896 and in
+  `docs/features/nixl_connector_usage.md` @ `026c83f974fcee0e1887060ebdcc53dc427bacfc`; a
+  failed load is a 500 for a whole response (vLLM PR #26813, issue #40978).
+- The connector's prefix-cache counters (`vllm/v1/core/sched/scheduler.py`:
+  `connector_prefix_cache_stats.record` with queries = the request's tokens minus the local hit,
+  hits = the externally computed tokens) and the `PromptTokenStats` invariant (computed +
+  local_cache_hit + external_kv_transfer = total; cached = local + external) were seen through
+  a code search of vLLM's source without a commit to name.
+
+The model:
+
+- **Prefill leg** (`do_remote_decode`): the ordinary cost model computes the prompt; the
+  blocks stay referenced (they count in `vllm:kv_cache_usage_perc`) until the first pull, the
+  lease (`--kv-lease-ms`, 30 000, wall clock), an abort before the end, or the prefill-dies
+  fault. `remote_host`/`remote_port` are the simulator's own address and HTTP port (vLLM's are
+  the NIXL side channel, port 5600 by default).
+- **Transfer**: `ceil(N / block_size) × block_size × --kv-bytes-per-token ÷ (--kv-transfer-gbps ×
+  10⁹)` seconds of simulated time (divided by `--time-scale`; zero with `--instant`), N = the
+  tokens the prefill held (`remote_num_tokens`); whole blocks because vLLM moves blocks.
+  Defaults: 131 072 B/token = Llama-3-8B in bf16 (2 × 32 layers × 8 KV heads × 128 × 2 B);
+  25 GB/s, the research notes' suggested default, between the 3.1 GB/s of DistServe's
+  25 Gbps inter-node links (Zhong et al., OSDI 2024, §6.1, read through a third-party summary)
+  and Mooncake's measured 87 GB/s on 4×200 Gbps RoCE and 190 GB/s on 8×400 Gbps
+  (kvcache-ai/Mooncake `README.md` @ `3a8593f5`); a 400 Gb/s NIC is about 50 GB/s nominal. So
+  a 4096-token Llama-3-8B prompt (512 MiB) takes 21.5 ms. DistServe reports transfer under
+  0.1 % of total latency for OPT-175B and under 30 ms for 95 % of requests, with prefill and
+  decode placed on one node over NVLink. Splitwise (Patel et al., ISCA 2024) is cited for no
+  figure: only its abstract was read.
+- **Decode leg** (`do_remote_prefill`): the pull happens when the request arrives, then the
+  transfer wait, then the engine admits it with the pulled tokens computed, beyond its local
+  prefix hit and up to all but the last prompt token (which is computed for its logits, as for a
+  local hit). No prefill compute is charged for them. They count in
+  `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`, `vllm:prompt_tokens_cached`,
+  `vllm:external_prefix_cache_queries` / `_hits`, `cached_tokens` in usage and
+  `vllm:prompt_tokens_cached_by_source{source="external_unspecified"}` (which tier label vLLM
+  gives NIXL is a guess, not checked); their full blocks enter the local prefix cache, as vLLM
+  caches loaded blocks. TTFT and end-to-end latency include the pull and the transfer.
+- **Failed pulls** (nothing held: never, already pulled, expired; prefill refusing or
+  unreachable, 5 s timeout as vLLM's handshake): `fail` answers 500 `InternalServerError`, or
+  in a stream one `data: {"error":…}` event and `[DONE]`, counted as
+  `finished_reason="error"`; `recompute` computes the prompt locally.
+
+Where it departs from vLLM, on purpose or for want of a model:
+
+- A second pull of the same params is refused (404 on the side channel, so the decode fails or
+  recomputes). vLLM reads whatever now sits in the freed block ids: silent wrong output (vLLM
+  issue #21570). The refusal lets a router's tests see params being reused.
+- Roles are strict (a leg the `--kv-role` does not take is a 400); vLLM's are advisory and its
+  docs run every instance as `kv_both`. `--kv-role both` (the default) takes both legs.
+- Only loopback peers: a `remote_host` that is not `localhost` or a loopback address is a 400
+  and nothing is dialled (vLLM dials whatever the request names).
+- Not modelled: the NIXL handshake on first contact and per-transfer overheads; lease
+  heartbeats (the pull happens before the decode's queue, so its queue wait cannot outlast the
+  lease; vLLM's heartbeats keep the lease alive in that wait); the decode's local prefix hit does
+  not shorten the transfer; the prefill frees its blocks when the read starts, not when it ends;
+  heterogeneous TP (`tp_size` is always 1), bidirectional mode, `kv_recompute_threshold`, and the
+  "free these blocks" notice a decode sends when it rejects or aborts a request before its pull.
+- The transfer wait falls in the decode's `vllm:request_queue_time_seconds` (vLLM schedules the
+  request before its asynchronous load, so there it falls in prefill time).
+- `vllm:external_prefix_cache_queries` counts pulled requests only; vLLM counts every request
+  once a connector is configured.
+- No NIXL transfer metrics: none are named in the sources above, so no series was added.
 """
 
 

@@ -139,6 +139,62 @@ pub struct SimConfig {
     /// back to 0 with AllBlocksCleared, event sockets re-opened).
     #[arg(long)]
     pub kv_events_restart_after: Option<u64>,
+    /// P/D disaggregation role (vLLM's NixlConnector protocol, see README "P/D"): `prefill`
+    /// holds KV for `kv_transfer_params.do_remote_decode` requests, `decode` pulls it for
+    /// `do_remote_prefill` ones, `both` does either. A leg the role does not take is a 400.
+    #[arg(long, value_enum, default_value_t = KvRole::Both)]
+    pub kv_role: KvRole,
+    /// `remote_engine_id` this simulator reports and answers pulls for (vLLM's
+    /// `kv_transfer_config.engine_id`); default a random UUID.
+    #[arg(long)]
+    pub kv_engine_id: Option<String>,
+    /// How long a prefill's KV blocks wait for a pull before they are freed, in wall-clock ms
+    /// (vLLM's `kv_lease_duration`, 30 s).
+    #[arg(long, default_value_t = 30_000)]
+    pub kv_lease_ms: u64,
+    /// KV bytes per token moved by a pull (2 × layers × kv_heads × head_dim × dtype bytes;
+    /// 131072 = Llama-3-8B in bf16).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// Bandwidth of a KV pull in GB/s (10⁹ bytes per second, not gigabits).
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_transfer_gbps: f64,
+    /// What a decode does when its pull fails (vLLM's `kv_load_failure_policy`): `fail` the
+    /// request (500, or an error event in a stream) or `recompute` the prompt locally.
+    #[arg(long, value_enum, default_value_t = KvLoadFailurePolicy::Fail)]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
+}
+
+/// Which legs of a P/D request a simulator takes (`--kv-role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvRole {
+    /// Prefill legs only (`do_remote_decode`).
+    Prefill,
+    /// Decode legs only (`do_remote_prefill`).
+    Decode,
+    /// Either leg, and plain requests (vLLM's `kv_both`).
+    #[default]
+    Both,
+}
+
+impl KvRole {
+    pub fn prefills(self) -> bool {
+        matches!(self, KvRole::Prefill | KvRole::Both)
+    }
+    pub fn decodes(self) -> bool {
+        matches!(self, KvRole::Decode | KvRole::Both)
+    }
+}
+
+/// vLLM's `kv_load_failure_policy` (`--kv-load-failure-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvLoadFailurePolicy {
+    /// The request ends with an error (vLLM's default since PR #34896).
+    #[default]
+    Fail,
+    /// The prompt is prefilled locally.
+    Recompute,
 }
 
 fn parse_kv_events(s: &str) -> Result<KvEventsConfig, String> {
@@ -182,6 +238,12 @@ impl Default for SimConfig {
             kv_events_stall_after: None,
             kv_events_stall_ms: 0,
             kv_events_restart_after: None,
+            kv_role: KvRole::Both,
+            kv_engine_id: None,
+            kv_lease_ms: 30_000,
+            kv_bytes_per_token: 131_072,
+            kv_transfer_gbps: 25.0,
+            kv_load_failure_policy: KvLoadFailurePolicy::Fail,
         }
     }
 }
@@ -224,6 +286,8 @@ pub enum ConfigError {
     KvDropRate(f64),
     #[error("{0} needs --kv-events-config with enable_kv_cache_events")]
     KvEventsOff(&'static str),
+    #[error("--kv-transfer-gbps must be a positive finite number, got {0}")]
+    KvBandwidth(f64),
 }
 
 impl SimConfig {
@@ -255,6 +319,9 @@ impl SimConfig {
         ];
         if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
             return Err(ConfigError::Cost);
+        }
+        if !(self.kv_transfer_gbps.is_finite() && self.kv_transfer_gbps > 0.0) {
+            return Err(ConfigError::KvBandwidth(self.kv_transfer_gbps));
         }
         if !(0.0..=1.0).contains(&self.kv_events_drop_rate) {
             return Err(ConfigError::KvDropRate(self.kv_events_drop_rate));
@@ -292,6 +359,19 @@ impl SimConfig {
         } else {
             self.served_model_name.clone()
         }
+    }
+
+    /// Wall-clock time of pulling `tokens` tokens of KV (whole blocks, `--kv-bytes-per-token`,
+    /// `--kv-transfer-gbps`), divided by `--time-scale`; zero with `--instant`.
+    pub fn kv_transfer_time(&self, tokens: usize) -> Duration {
+        if self.instant {
+            return Duration::ZERO;
+        }
+        let bs = self.block_size.max(1) as u64;
+        let tokens = (tokens as u64).div_ceil(bs).saturating_mul(bs);
+        let bytes = tokens.saturating_mul(self.kv_bytes_per_token) as f64;
+        let secs = bytes / (self.kv_transfer_gbps * 1e9) / self.time_scale;
+        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
     }
 
     /// The step-time coefficients these flags describe (zero with `--instant`).
@@ -382,6 +462,36 @@ mod tests {
             ..c
         };
         assert_eq!(bad.validate(), Err(ConfigError::KvDropRate(2.0)));
+    }
+
+    #[test]
+    fn pd_flags_parse_and_transfer_time_counts_whole_blocks() {
+        let c = SimConfig::try_parse_from([
+            "vllm-sim",
+            "--kv-role",
+            "prefill",
+            "--kv-load-failure-policy",
+            "recompute",
+            "--kv-transfer-gbps",
+            "1",
+            "--kv-bytes-per-token",
+            "1000",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_role, KvRole::Prefill);
+        assert!(c.kv_role.prefills() && !c.kv_role.decodes());
+        assert_eq!(c.kv_load_failure_policy, KvLoadFailurePolicy::Recompute);
+        // 17 tokens = 2 blocks of 16 = 32 tokens × 1000 B at 10⁹ B/s = 32 µs.
+        assert_eq!(c.kv_transfer_time(17), Duration::from_micros(32));
+        // The default: 4096 tokens of Llama-3-8B (512 MiB) at 25 GB/s ≈ 21.5 ms.
+        let d = SimConfig::default().kv_transfer_time(4096);
+        assert_eq!(d.as_micros(), 21_474);
+        let bad = SimConfig {
+            kv_transfer_gbps: 0.0,
+            ..SimConfig::default()
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::KvBandwidth(0.0)));
+        assert!(SimConfig::try_parse_from(["vllm-sim", "--kv-role", "nope"]).is_err());
     }
 
     #[test]

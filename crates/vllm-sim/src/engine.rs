@@ -20,6 +20,12 @@
 //! messages act on the cache between steps: `reset_prefix_cache` (vLLM's endpoint of that name)
 //! and `restart` (the restart fault: running requests are preempted, the cache is wiped, the
 //! sequence starts again at 0 with `AllBlocksCleared`, the publisher re-opens its sockets).
+//!
+//! P/D disaggregation: a prefill leg ([`Submission::hold`]) keeps its blocks when it finishes,
+//! under a key (its `remote_request_id`), until a pull ([`EngineHandle::pull`]) takes them —
+//! the first pull frees them, so a second one is refused — or until the lease
+//! (`--kv-lease-ms`, wall clock) ends. A decode leg ([`Submission::external`]) enters with the
+//! pulled tokens counted as computed: no prefill compute is charged for them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,7 +35,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::cost::CostModel;
+use crate::kv_cache::BlockId;
 use crate::kv_events::publisher::{PubMsg, PubStats};
+use crate::kv_holds::Holds;
+pub use crate::kv_holds::{Hold, PullRefused};
 use crate::metrics::{unix_now, Metrics, FINISHED_ABORT, FINISHED_LENGTH};
 use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
 
@@ -37,7 +46,7 @@ use crate::scheduler::{Finished, Limits, Scheduler, Seq, TokenEvent};
 const MAX_LAG: Duration = Duration::from_millis(50);
 
 /// A request as the HTTP layer hands it to the engine.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Submission {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
@@ -47,10 +56,17 @@ pub struct Submission {
     pub lora: Option<u16>,
     /// `cache_salt` of the request (reported in the first block's KV-event `extra_keys`).
     pub cache_salt: Option<String>,
+    /// When the request reached the server (default: now); a decode leg's pull happens before
+    /// it is submitted, and its time counts in TTFT as in vLLM.
+    pub arrival: Option<Instant>,
+    /// P/D decode leg: prompt tokens whose KV was pulled (see [`crate::scheduler::Seq`]).
+    pub external: usize,
+    /// P/D prefill leg: hold the blocks when finished (see module doc).
+    pub hold: Option<Hold>,
 }
 
 enum Msg {
-    Add(Box<Seq>),
+    Add(Box<Seq>, Option<Hold>),
     Abort(u64),
     /// `POST /reset_prefix_cache`: answers whether the cache was reset.
     ResetPrefixCache {
@@ -59,6 +75,16 @@ enum Msg {
     },
     /// The restart fault.
     Restart,
+    /// A decode server takes held blocks (answers how many tokens they hold).
+    Pull {
+        key: String,
+        blocks: Option<Vec<BlockId>>,
+        reply: oneshot::Sender<Result<usize, PullRefused>>,
+    },
+    /// A lease ended.
+    Expire(String),
+    /// The prefill-dies fault: held blocks are dropped at once.
+    DropHeld(String),
 }
 
 /// Engine state that tests and the HTTP layer can read.
@@ -84,6 +110,14 @@ pub struct Stats {
     /// LoRA adapter loads into a slot (an adapter admitted while not resident); not a vLLM
     /// series, only here and in `/sim/stats`.
     pub lora_loads: u64,
+    /// P/D: prefills whose blocks are held for a pull now.
+    pub kv_held: usize,
+    /// P/D: pulls served (blocks handed over and freed).
+    pub kv_pulls: u64,
+    /// P/D: holds whose lease ended without a pull.
+    pub kv_expired: u64,
+    /// P/D: prompt tokens taken from pulls instead of computed.
+    pub external_tokens: u64,
 }
 
 /// Shared between the engine task and everything that reads its state.
@@ -142,12 +176,15 @@ pub struct EngineHandle {
 impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Msg::Add(s) => write!(f, "Add({})", s.id),
+            Msg::Add(s, _) => write!(f, "Add({})", s.id),
             Msg::Abort(id) => write!(f, "Abort({id})"),
             Msg::ResetPrefixCache { reset_running, .. } => {
                 write!(f, "ResetPrefixCache({reset_running})")
             }
             Msg::Restart => write!(f, "Restart"),
+            Msg::Pull { key, .. } => write!(f, "Pull({key})"),
+            Msg::Expire(key) => write!(f, "Expire({key})"),
+            Msg::DropHeld(key) => write!(f, "DropHeld({key})"),
         }
     }
 }
@@ -200,6 +237,25 @@ impl EngineHandle {
         let _ = self.tx.send(Msg::Restart);
     }
 
+    /// Takes the blocks held under `key` (checking them against `blocks` when given) and frees
+    /// them; answers how many tokens they hold. A second pull of the same key is refused.
+    pub async fn pull(
+        &self,
+        key: String,
+        blocks: Option<Vec<BlockId>>,
+    ) -> Result<usize, PullRefused> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Msg::Pull { key, blocks, reply }).is_err() {
+            return Err(PullRefused::Stopped);
+        }
+        rx.await.unwrap_or(Err(PullRefused::Stopped))
+    }
+
+    /// Frees the blocks held under `key` now, if any (the prefill-dies fault).
+    pub fn drop_held(&self, key: String) {
+        let _ = self.tx.send(Msg::DropHeld(key));
+    }
+
     /// Queues a request; tokens arrive on the returned receiver.
     pub fn submit(&self, sub: Submission) -> (RequestGuard, mpsc::UnboundedReceiver<TokenEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -211,11 +267,13 @@ impl EngineHandle {
             sub.hash_seed,
             sub.lora,
             tx,
-            Instant::now(),
+            sub.arrival.unwrap_or_else(Instant::now),
         );
         seq.cache_salt = sub.cache_salt;
+        seq.external = sub.external;
+        seq.hold = sub.hold.is_some();
         // If the engine is gone the receiver closes at once and the handler reports an error.
-        let _ = self.tx.send(Msg::Add(Box::new(seq)));
+        let _ = self.tx.send(Msg::Add(Box::new(seq), sub.hold));
         (
             RequestGuard {
                 id,
@@ -239,6 +297,8 @@ pub struct EngineConfig {
     pub lora_names: Vec<String>,
     /// Where KV-cache events go (None: not published, not even recorded).
     pub kv: Option<KvSink>,
+    /// How long a prefill's held blocks wait for a pull (wall clock).
+    pub kv_lease: Duration,
 }
 
 /// The engine's end of the KV-event publisher.
@@ -272,6 +332,8 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
         sched,
         cfg,
         shared,
+        me: handle.tx.downgrade(),
+        holds: Holds::default(),
         steps: 0,
         lora_loads: 0,
         stats: Stats::default(),
@@ -292,6 +354,10 @@ struct Engine {
     kv_seq: u64,
     /// KV-event batches handed to the publisher since start (for `restart_after`).
     kv_batches: u64,
+    /// For lease timers (weak: the engine still ends when every handle is gone).
+    me: mpsc::WeakUnboundedSender<Msg>,
+    /// P/D prefill legs and their held blocks.
+    holds: Holds,
 }
 
 impl Engine {
@@ -354,11 +420,17 @@ impl Engine {
             self.lora_loads += u64::from(plan.lora_loads);
             m.prefix_queries += plan.prefix_queries;
             m.prefix_hits += plan.prefix_hits;
+            m.external_queries += plan.external_queries;
+            m.external_hits += plan.external_hits;
             let mut first_tokens = Vec::new();
             let left = self.sched.apply(end, |seq| {
                 m.generation_tokens += 1;
                 if seq.generated == 1 {
-                    first_tokens.push((seq.prompt_len, seq.cached_at_admission));
+                    first_tokens.push((
+                        seq.prompt_len,
+                        seq.cached_at_admission,
+                        seq.external_at_admission,
+                    ));
                     if let Some(t0) = seq.times.first_token {
                         m.ttft.observe(secs(t0, seq.times.arrival, scale));
                     }
@@ -367,6 +439,7 @@ impl Engine {
                 }
             });
             drop(m);
+            let left = self.hold_finished(left);
             self.record(first_tokens, left);
             self.flush_kv();
             self.publish();
@@ -402,6 +475,8 @@ impl Engine {
     fn restart(&mut self) {
         let preempted = self.sched.preempt_all();
         self.shared.metrics().preemptions += u64::from(preempted);
+        // The held prefills die with the process.
+        self.holds.clear(&mut self.sched.pool);
         self.sched.pool.wipe();
         self.kv_seq = 0;
         if let Some(kv) = &self.cfg.kv {
@@ -418,8 +493,15 @@ impl Engine {
 
     fn handle(&mut self, msg: Msg) {
         match msg {
-            Msg::Add(seq) => self.sched.waiting.push_back(*seq),
+            Msg::Add(seq, hold) => {
+                if let Some(h) = hold {
+                    self.holds.start(seq.id, h);
+                }
+                self.sched.waiting.push_back(*seq)
+            }
             Msg::Abort(id) => {
+                // An aborted prefill frees its blocks at once (vLLM returns no params).
+                self.holds.forget(id);
                 if self.sched.abort(id).is_some() {
                     self.shared.metrics().finished[FINISHED_ABORT] += 1;
                     self.publish();
@@ -439,15 +521,49 @@ impl Engine {
                 let _ = reply.send(ok);
             }
             Msg::Restart => self.restart(),
+            Msg::Pull { key, blocks, reply } => {
+                let answer = self
+                    .holds
+                    .pull(&key, blocks.as_deref(), &mut self.sched.pool);
+                self.publish();
+                let _ = reply.send(answer);
+            }
+            Msg::Expire(key) => {
+                if self.holds.expire(&key, &mut self.sched.pool) {
+                    tracing::warn!(%key, "KV lease ended without a pull; blocks freed");
+                    self.publish();
+                }
+            }
+            Msg::DropHeld(key) => {
+                if self.holds.release(&key, &mut self.sched.pool) {
+                    self.publish();
+                }
+            }
         }
     }
 
+    /// Finished prefill legs keep their blocks (see [`Holds::finish`]); each starts its lease.
+    fn hold_finished(&mut self, left: Vec<Finished>) -> Vec<Finished> {
+        for key in self.holds.finish(&left, &mut self.sched.pool) {
+            let me = self.me.clone();
+            let lease = self.cfg.kv_lease;
+            tokio::spawn(async move {
+                tokio::time::sleep(lease).await;
+                if let Some(tx) = me.upgrade() {
+                    let _ = tx.send(Msg::Expire(key));
+                }
+            });
+        }
+        left
+    }
+
     /// Per-step bookkeeping after `apply`: token counters and finished-request histograms.
-    fn record(&mut self, first_tokens: Vec<(usize, usize)>, left: Vec<Finished>) {
+    fn record(&mut self, first_tokens: Vec<(usize, usize, usize)>, left: Vec<Finished>) {
         let scale = self.cfg.time_scale;
         let mut m = self.shared.metrics();
-        for (prompt_len, cached) in first_tokens {
-            m.prompt_tokens_cached += cached as u64;
+        for (prompt_len, cached, external) in first_tokens {
+            m.prompt_tokens_cached += (cached - external) as u64;
+            m.prompt_tokens_external += external as u64;
             m.prompt_tokens_computed += (prompt_len - cached) as u64;
         }
         for f in left {
@@ -524,10 +640,16 @@ impl Engine {
             preemptions: m.preemptions,
             finished: m.finished[FINISHED_LENGTH],
             aborted: m.finished[FINISHED_ABORT],
-            prompt_tokens: m.prompt_tokens_cached + m.prompt_tokens_computed,
+            prompt_tokens: m.prompt_tokens_cached
+                + m.prompt_tokens_computed
+                + m.prompt_tokens_external,
             generation_tokens: m.generation_tokens,
             steps: self.steps,
             lora_loads: self.lora_loads,
+            kv_held: self.holds.len(),
+            kv_pulls: self.holds.pulls,
+            kv_expired: self.holds.expired,
+            external_tokens: m.prompt_tokens_external,
         };
         drop(m);
         *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
@@ -539,3 +661,7 @@ impl Engine {
 fn secs(later: Instant, earlier: Instant, scale: f64) -> f64 {
     later.saturating_duration_since(earlier).as_secs_f64() * scale
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -16,11 +16,14 @@
 //! | `kv_events_drop_rate` | that fraction of KV-event batches is not sent (a sequence gap; the batch stays in the replay buffer) |
 //! | `kv_events_stall` | `true`: publish no KV events (they wait, up to `hwm`, and go out in order on `false`); with `kv_events_stall_for_ms`, resume by itself after that long |
 //! | `kv_events_restart` | `true`: the engine restarts — running requests are preempted, the prefix cache is wiped, the event sockets are re-opened and the sequence starts again at 0 with `AllBlocksCleared` |
+//! | `kv_prefill_fail` | P/D prefill legs (`do_remote_decode`) die after computing: `"error"` answers 500, `"drop"` breaks the connection; either way no blocks stay held; `"none"` ends it |
+//! | `kv_pull_refuse` | this server's `POST /kv_transfer/pull` refuses every pull (503); its held blocks stay until their lease ends |
+//! | `kv_pull_fail` | this server's decode legs fail their pull without reaching the prefill server (a broken transfer); the held blocks there stay until their lease ends |
 //!
 //! Wall-clock fault durations are not divided by `--time-scale`: they exercise the router's
 //! own timeouts, which run on the real clock.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +59,23 @@ struct Inner {
     kv_stall: watch::Sender<bool>,
     /// Bumped by every stall, so a timed resume does not end a later stall.
     kv_stall_gen: AtomicU64,
+    /// A [`PrefillFail`] as its discriminant.
+    kv_prefill_fail: AtomicU8,
+    kv_pull_refuse: AtomicBool,
+    kv_pull_fail: AtomicBool,
+}
+
+/// How a P/D prefill leg dies (the `kv_prefill_fail` fault).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillFail {
+    /// No fault.
+    #[default]
+    None,
+    /// HTTP 500 after the prefill ran.
+    Error,
+    /// The connection breaks after the prefill ran (the process died).
+    Drop,
 }
 
 /// A snapshot of all fault settings (what `GET /sim/faults` returns).
@@ -73,6 +93,9 @@ pub struct FaultSnapshot {
     pub requests_seen: u64,
     pub kv_events_drop_rate: f64,
     pub kv_events_stalled: bool,
+    pub kv_prefill_fail: PrefillFail,
+    pub kv_pull_refuse: bool,
+    pub kv_pull_fail: bool,
 }
 
 /// A partial update (`POST /sim/faults`): absent fields stay as they are; `null` clears
@@ -101,6 +124,9 @@ pub struct FaultPatch {
     /// Restart the engine (applied by the HTTP layer, which reaches the engine; see module doc).
     #[serde(default)]
     pub kv_events_restart: bool,
+    pub kv_prefill_fail: Option<PrefillFail>,
+    pub kv_pull_refuse: Option<bool>,
+    pub kv_pull_fail: Option<bool>,
 }
 
 /// Distinguishes a field given as `null` (Some(None)) from an absent one (None).
@@ -159,6 +185,9 @@ impl Faults {
                 kv_drop_rate_bits: AtomicU64::new(0f64.to_bits()),
                 kv_stall: watch::channel(false).0,
                 kv_stall_gen: AtomicU64::new(0),
+                kv_prefill_fail: AtomicU8::new(PrefillFail::None as u8),
+                kv_pull_refuse: AtomicBool::new(false),
+                kv_pull_fail: AtomicBool::new(false),
             }),
         }
     }
@@ -223,6 +252,34 @@ impl Faults {
         self.inner.kv_stall.send_replace(false);
     }
 
+    /// How P/D prefill legs die (see module doc).
+    pub fn set_kv_prefill_fail(&self, how: PrefillFail) {
+        self.inner
+            .kv_prefill_fail
+            .store(how as u8, Ordering::Relaxed);
+    }
+    /// This server refuses every pull of its held blocks.
+    pub fn set_kv_pull_refuse(&self, on: bool) {
+        self.inner.kv_pull_refuse.store(on, Ordering::Relaxed);
+    }
+    /// This server's decode legs fail their pulls.
+    pub fn set_kv_pull_fail(&self, on: bool) {
+        self.inner.kv_pull_fail.store(on, Ordering::Relaxed);
+    }
+    pub(crate) fn kv_prefill_fail(&self) -> PrefillFail {
+        match self.inner.kv_prefill_fail.load(Ordering::Relaxed) {
+            x if x == PrefillFail::Error as u8 => PrefillFail::Error,
+            x if x == PrefillFail::Drop as u8 => PrefillFail::Drop,
+            _ => PrefillFail::None,
+        }
+    }
+    pub(crate) fn kv_pull_refuse(&self) -> bool {
+        self.inner.kv_pull_refuse.load(Ordering::Relaxed)
+    }
+    pub(crate) fn kv_pull_fail(&self) -> bool {
+        self.inner.kv_pull_fail.load(Ordering::Relaxed)
+    }
+
     /// Closes the listener (connects are refused) and drops every open connection.
     pub fn refuse_connections(&self) {
         self.inner.refuse.send_replace(true);
@@ -263,6 +320,9 @@ impl Faults {
             requests_seen: i.requests.load(Ordering::Relaxed),
             kv_events_drop_rate: self.kv_drop_rate(),
             kv_events_stalled: *i.kv_stall.borrow(),
+            kv_prefill_fail: self.kv_prefill_fail(),
+            kv_pull_refuse: self.kv_pull_refuse(),
+            kv_pull_fail: self.kv_pull_fail(),
         }
     }
 
@@ -278,6 +338,18 @@ impl Faults {
             self.set_refuse_after(None);
             self.set_kv_drop_rate(0.0);
             self.resume_kv_events();
+            self.set_kv_prefill_fail(PrefillFail::None);
+            self.set_kv_pull_refuse(false);
+            self.set_kv_pull_fail(false);
+        }
+        if let Some(how) = p.kv_prefill_fail {
+            self.set_kv_prefill_fail(how);
+        }
+        if let Some(on) = p.kv_pull_refuse {
+            self.set_kv_pull_refuse(on);
+        }
+        if let Some(on) = p.kv_pull_fail {
+            self.set_kv_pull_fail(on);
         }
         if let Some(r) = p.fail_rate {
             self.set_fail_rate(r);
@@ -478,5 +550,28 @@ mod tests {
         assert!((0..50).all(|_| f.kv_should_drop()));
         let restart: FaultPatch = serde_json::from_str(r#"{"kv_events_restart":true}"#).unwrap();
         assert!(restart.kv_events_restart);
+    }
+
+    #[test]
+    fn pd_faults_patch_and_reset() {
+        let f = Faults::new();
+        let p: FaultPatch = serde_json::from_str(
+            r#"{"kv_prefill_fail":"drop","kv_pull_refuse":true,"kv_pull_fail":true}"#,
+        )
+        .unwrap();
+        f.apply(&p);
+        let s = f.snapshot();
+        assert_eq!(s.kv_prefill_fail, PrefillFail::Drop);
+        assert!(s.kv_pull_refuse && s.kv_pull_fail);
+        f.apply(&serde_json::from_str(r#"{"kv_prefill_fail":"error"}"#).unwrap());
+        assert_eq!(f.kv_prefill_fail(), PrefillFail::Error);
+        f.apply(&FaultPatch {
+            reset: true,
+            ..FaultPatch::default()
+        });
+        let s = f.snapshot();
+        assert_eq!(s.kv_prefill_fail, PrefillFail::None);
+        assert!(!s.kv_pull_refuse && !s.kv_pull_fail);
+        assert!(serde_json::from_str::<FaultPatch>(r#"{"kv_prefill_fail":"sometimes"}"#).is_err());
     }
 }

@@ -10,17 +10,20 @@
 //!
 //! * [`server`] — the accept loop; it can close and re-bind its port for the connection faults.
 //! * [`api`] — axum routes: OpenAI generation (whole and SSE), models, tokenizer, metrics, the
-//!   probes SGLang's and vLLM's routers send to workers, and `/sim/*` admin endpoints.
+//!   probes SGLang's and vLLM's routers send to workers, `/sim/*` admin endpoints, and the P/D
+//!   legs (`kv_transfer_params`) with their loopback side channel.
 //! * [`tokenizer`] — the deterministic ~4-bytes-per-token tokenizer and the chat template.
 //! * [`engine`] — one task per server running the step loop in simulated time.
 //! * [`scheduler`] — continuous batching, chunked prefill, FIFO admission, preemption.
 //! * [`kv_cache`] — the block pool with reference counts, chain hashes and LRU prefix caching.
+//! * [`kv_holds`] — P/D: a prefill's blocks held for a decode server's pull, or until a lease.
 //! * [`kv_events`] — vLLM's `--kv-events-config`: the pool's stores, evictions and resets
 //!   published over ZeroMQ in vLLM 0.32's msgpack encoding, with replay and stream faults.
 //! * [`cost`] — the step-time model, calibrated to Llama-3.1-8B on one H100.
 //! * [`metrics`] — counters and histograms rendered exactly as vLLM 0.32's `/metrics`.
 //! * [`faults`] — runtime-switchable failures (500s, slow/hung/garbage metrics, stalls, cut
-//!   streams, refused connections, dropped/stalled KV events, engine restarts).
+//!   streams, refused connections, dropped/stalled KV events, engine restarts, dying
+//!   prefills, refused or broken KV pulls).
 //! * [`config`] — every flag, shared by the library and the `vllm-sim` binary.
 //!
 //! # Use from tests
@@ -42,6 +45,7 @@ pub mod engine;
 pub mod faults;
 pub mod kv_cache;
 pub mod kv_events;
+pub mod kv_holds;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
@@ -92,6 +96,10 @@ impl Sim {
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let names = config.model_names();
+        let kv_engine_id = config
+            .kv_engine_id
+            .clone()
+            .unwrap_or_else(api::pd::random_engine_id);
         let hf = match &config.tokenizer {
             Some(dir) => Some(std::sync::Arc::new(
                 hf_tokenize::HfTokenizer::from_dir(dir)
@@ -154,6 +162,7 @@ impl Sim {
             max_model_len: config.max_model_len,
             lora_names,
             kv: kv_sink,
+            kv_lease: Duration::from_millis(config.kv_lease_ms),
         });
         let page_info = PageInfo {
             model_name: names[0].clone(),
@@ -174,6 +183,7 @@ impl Sim {
             addr,
             hf,
             kv: kv_info,
+            kv_engine_id,
         });
         Ok(Self {
             state,

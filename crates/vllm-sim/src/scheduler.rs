@@ -101,6 +101,15 @@ pub struct Seq {
     pub times: SeqTimes,
     pub preemptions: u32,
     pub cached_at_admission: usize,
+    /// P/D decode leg: prompt tokens whose KV was pulled from a prefill server, taken at the
+    /// first admission for what the local prefix cache does not cover (then 0: one transfer
+    /// per request, as vLLM clears `do_remote_prefill` after the first scheduling).
+    pub external: usize,
+    /// Of `cached_at_admission`, the tokens that came from the pull.
+    pub external_at_admission: usize,
+    /// P/D prefill leg: when the request finishes, its blocks stay held (the engine keeps
+    /// them for a pull or until the lease ends) instead of being freed.
+    pub hold: bool,
     /// The client went away (its channel is closed): drop at the end of the step.
     pub gone: bool,
 }
@@ -138,6 +147,9 @@ impl Seq {
             },
             preemptions: 0,
             cached_at_admission: 0,
+            external: 0,
+            external_at_admission: 0,
+            hold: false,
             gone: false,
         }
     }
@@ -180,6 +192,10 @@ pub struct ScheduleOutcome {
     /// Re-admissions after preemption (vLLM's `preempted_*`, not exported).
     pub preempted_prefix_queries: u64,
     pub preempted_prefix_hits: u64,
+    /// Pulled (P/D) requests at first admission: vLLM's connector prefix-cache stats, queries
+    /// = tokens beyond the local hit, hits = tokens taken from the pull.
+    pub external_queries: u64,
+    pub external_hits: u64,
     /// LoRA adapters loaded into a slot this step (not resident before).
     pub lora_loads: u32,
 }
@@ -328,8 +344,17 @@ impl Scheduler {
                 .pool
                 .match_prefix(&seq.hashes[..max_hit.min(seq.hashes.len())]);
             let cached = hit * bs;
-            let n = (seq.tokens.len() - cached).min(*budget);
-            let new_blocks = (cached + n).div_ceil(bs) - hit;
+            // Pulled KV covers what the local cache does not, up to all but the last token
+            // (which is computed for its logits, as for a local hit).
+            let external = if seq.preemptions == 0 {
+                seq.external
+                    .min(seq.tokens.len() - 1)
+                    .saturating_sub(cached)
+            } else {
+                0
+            };
+            let n = (seq.tokens.len() - cached - external).min(*budget);
+            let new_blocks = (cached + external + n).div_ceil(bs) - hit;
             if !self.pool.can_allocate(&seq.hashes[..hit], new_blocks) {
                 break;
             }
@@ -340,15 +365,24 @@ impl Scheduler {
                 .acquire_cached(&seq.hashes[..hit], &mut seq.blocks);
             let ok = self.pool.allocate(new_blocks, &mut seq.blocks);
             debug_assert!(ok, "can_allocate said yes");
-            seq.num_computed = cached;
+            seq.num_computed = cached + external;
             seq.scheduled = n;
+            if external > 0 {
+                self.commit_pulled(&mut seq, hit);
+            }
             seq.times.scheduled.get_or_insert(now);
             *budget -= n;
             out.admitted += 1;
             if seq.preemptions == 0 {
-                seq.cached_at_admission = cached;
+                seq.cached_at_admission = cached + external;
+                seq.external_at_admission = external;
                 out.prefix_queries += seq.tokens.len() as u64;
                 out.prefix_hits += cached as u64;
+                if seq.external > 0 {
+                    out.external_queries += (seq.tokens.len() - cached) as u64;
+                    out.external_hits += external as u64;
+                }
+                seq.external = 0;
             } else {
                 out.preempted_prefix_queries += seq.tokens.len() as u64;
                 out.preempted_prefix_hits += cached as u64;
@@ -364,6 +398,28 @@ impl Scheduler {
         // Skipped requests keep their places at the head of the queue.
         while let Some(seq) = skipped.pop_back() {
             self.waiting.push_front(seq);
+        }
+    }
+
+    /// The full blocks a pull filled (from block `from` on) enter the prefix cache at once, as
+    /// vLLM caches loaded blocks; with KV-cache events on, one `BlockStored` reports them.
+    fn commit_pulled(&mut self, seq: &mut Seq, from: usize) {
+        let bs = self.limits.block_size;
+        let to = seq.num_computed / bs;
+        if to <= from {
+            return;
+        }
+        for b in from..to {
+            self.pool.commit_full(seq.blocks[b], seq.hashes[b]);
+        }
+        if self.pool.events_enabled() {
+            self.pool.record(KvEvent::BlockStored {
+                block_hashes: seq.hashes[from..to].to_vec(),
+                parent_block_hash: from.checked_sub(1).map(|p| seq.hashes[p]),
+                token_ids: seq.tokens[from * bs..to * bs].to_vec(),
+                lora: seq.lora,
+                cache_salt: seq.cache_salt.clone().filter(|_| from == 0),
+            });
         }
     }
 
@@ -425,7 +481,10 @@ impl Scheduler {
             let s = &self.running[k];
             if s.gone || done.contains(&s.id) {
                 let seq = self.running.remove(k);
-                self.pool.free(&seq.blocks);
+                if seq.gone || !seq.hold {
+                    // A held prefill's blocks go to the engine with it (see `Seq::hold`).
+                    self.pool.free(&seq.blocks);
+                }
                 let reason = if seq.gone {
                     None
                 } else {

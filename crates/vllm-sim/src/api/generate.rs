@@ -11,6 +11,10 @@
 //! `stream_options.include_usage` a chunk with `"choices":[]` and `usage` follows; the last
 //! chunk carries `system_fingerprint`; then `data: [DONE]\n\n`.
 //!
+//! P/D legs (`kv_transfer_params`, see [`super::pd`]): a decode leg pulls and waits its
+//! transfer before it is submitted; a prefill leg's whole answer carries the params a decode
+//! leg needs (`null` in every other whole answer; stream chunks never have the field).
+//!
 //! The [`RequestGuard`] lives in the handler future (whole responses) or in the body stream
 //! (SSE): when the client disconnects hyper drops it, and the engine aborts the request.
 
@@ -22,14 +26,18 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
-use serde_json::json;
-use tokio::sync::mpsc;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
 use super::error::{parse_json, ApiError};
 use super::openai::{self, Prepared};
-use super::AppState;
-use crate::engine::{RequestGuard, Submission};
-use crate::faults::Admission;
+use super::{pd, AppState};
+use crate::config::KvLoadFailurePolicy;
+use crate::engine::{Hold, RequestGuard, Submission};
+use crate::faults::{Admission, PrefillFail};
+use crate::kv_cache::BlockId;
+use crate::metrics::FINISHED_ERROR;
 use crate::scheduler::TokenEvent;
 use crate::tokenizer::{filler_piece, filler_text};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -42,6 +50,9 @@ enum Kind {
     Completion,
     Chat,
 }
+
+/// Where the engine announces a prefill leg's held blocks and the tokens they hold.
+type HeldReply = oneshot::Receiver<(Vec<BlockId>, usize)>;
 
 /// Everything needed to write one response.
 struct Ctx {
@@ -56,6 +67,8 @@ struct Ctx {
     include_usage: bool,
     stall: Duration,
     cut: Option<u64>,
+    /// A prefill leg: its key and where the engine announces the held blocks.
+    prefill: Option<(String, HeldReply)>,
 }
 
 pub async fn completions(State(st): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
@@ -82,6 +95,8 @@ fn admit(st: &AppState) -> Result<(), ApiError> {
 }
 
 async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let intent = pd::intent(st, p.kv_transfer_params.as_ref())?;
     if st.faults.should_fail() {
         return Err(ApiError::Internal(
             "Simulated internal error (fail_rate fault).".into(),
@@ -91,7 +106,7 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
     };
-    let ctx = Ctx {
+    let mut ctx = Ctx {
         kind,
         id: format!("{prefix}-{:016x}", fastrand::u64(..)),
         created: crate::metrics::unix_now() as u64,
@@ -102,7 +117,40 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
         include_usage: p.include_usage,
         stall: st.faults.first_token_stall(),
         cut: st.faults.cut_stream_after(),
+        prefill: None,
     };
+    let mut external = 0;
+    if let Some(remote) = intent.pull {
+        match pd::pull(st, remote).await {
+            Ok(tokens) => {
+                let wait = st.config.kv_transfer_time(tokens);
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+                external = tokens;
+            }
+            Err(e) => match st.config.kv_load_failure_policy {
+                KvLoadFailurePolicy::Fail => {
+                    tracing::warn!(error = %e, "KV load failed: the request fails");
+                    st.engine.shared.metrics().finished[FINISHED_ERROR] += 1;
+                    let message = format!("KV transfer failed: {e}");
+                    if p.stream {
+                        return Ok(sse_error(&message));
+                    }
+                    return Err(ApiError::Internal(message));
+                }
+                KvLoadFailurePolicy::Recompute => {
+                    tracing::warn!(error = %e, "KV load failed: the prompt is computed locally");
+                }
+            },
+        }
+    }
+    let hold = intent.hold.then(|| {
+        let key = format!("{}-{:08x}", ctx.id, fastrand::u32(..));
+        let (reply, rx) = oneshot::channel();
+        ctx.prefill = Some((key.clone(), rx));
+        Hold { key, reply }
+    });
     // vLLM mixes `cache_salt` into the first block's hash: salted prompts share no blocks
     // with unsalted ones or other salts.
     let hash_seed = match &p.cache_salt {
@@ -115,12 +163,58 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
         hash_seed,
         lora: p.model.lora,
         cache_salt: p.cache_salt,
+        arrival: Some(arrival),
+        external,
+        hold,
     };
     let (guard, rx) = st.engine.submit(sub);
     if p.stream {
         Ok(sse(ctx, guard, rx))
     } else {
-        whole(ctx, guard, rx).await
+        whole(st, ctx, guard, rx).await
+    }
+}
+
+/// A stream whose KV load failed (policy `fail`): one error event, then `[DONE]`, as vLLM's
+/// streaming generators end on an error.
+fn sse_error(message: &str) -> Response {
+    let event = json!({"error": {
+        "message": message, "type": "InternalServerError", "param": null, "code": 500,
+    }});
+    let body = format!("data: {event}\n\ndata: [DONE]\n\n");
+    let mut resp = Response::new(Body::from(body));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    resp
+}
+
+/// The prefill leg's `kv_transfer_params`, once its blocks are held (null if they are not),
+/// or the `kv_prefill_fail` fault's failure.
+async fn prefill_answer(st: &AppState, ctx: &mut Ctx) -> Result<Value, Response> {
+    let Some((key, rx)) = ctx.prefill.take() else {
+        return Ok(Value::Null);
+    };
+    let held = rx.await.ok();
+    match st.faults.kv_prefill_fail() {
+        PrefillFail::None => Ok(held.map_or(Value::Null, |(blocks, tokens)| {
+            pd::prefill_params(st, &key, &blocks, tokens)
+        })),
+        PrefillFail::Error => {
+            st.engine.drop_held(key);
+            Err(
+                ApiError::Internal("Simulated prefill failure (kv_prefill_fail fault).".into())
+                    .into_response(),
+            )
+        }
+        PrefillFail::Drop => {
+            st.engine.drop_held(key);
+            let parts: Vec<Result<Bytes, io::Error>> = vec![Err(io::Error::other(
+                "kv_prefill_fail fault: connection dropped",
+            ))];
+            Err(Response::new(Body::from_stream(stream::iter(parts))))
+        }
     }
 }
 
@@ -144,7 +238,8 @@ fn usage_json(ctx: &Ctx, completion: u32, cached: u32, whole: bool) -> serde_jso
 
 /// A non-streaming answer, once the last token is out.
 async fn whole(
-    ctx: Ctx,
+    st: &AppState,
+    mut ctx: Ctx,
     mut guard: RequestGuard,
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
 ) -> Result<Response, ApiError> {
@@ -166,6 +261,10 @@ async fn whole(
         }
     };
     guard.finished();
+    let kv_params = match prefill_answer(st, &mut ctx).await {
+        Ok(v) => v,
+        Err(resp) => return Ok(resp),
+    };
     let text = filler_text(n);
     let usage = usage_json(&ctx, n, cached, true);
     let body = match ctx.kind {
@@ -178,7 +277,7 @@ async fn whole(
             }],
             "service_tier": null, "system_fingerprint": FINGERPRINT,
             "usage": usage,
-            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+            "kv_transfer_params": kv_params, "ec_transfer_params": null, "metrics": null,
         }),
         Kind::Chat => json!({
             "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
@@ -194,7 +293,7 @@ async fn whole(
             "service_tier": null, "system_fingerprint": FINGERPRINT,
             "usage": usage,
             "prompt_logprobs": null, "prompt_token_ids": null, "prompt_text": null,
-            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+            "kv_transfer_params": kv_params, "ec_transfer_params": null, "metrics": null,
         }),
     };
     Ok(axum::Json(body).into_response())

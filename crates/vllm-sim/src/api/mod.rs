@@ -2,12 +2,14 @@
 //!
 //! `generate` serves the OpenAI generation endpoints, `extra` everything else (models, health,
 //! metrics, tokenizer, other routers' probes, `/sim/*` admin); `openai` parses and validates
-//! request bodies; `error` is the single place errors become HTTP responses.
+//! request bodies; `pd` reads `kv_transfer_params` and runs the P/D side channel
+//! (`POST /kv_transfer/pull`); `error` is the single place errors become HTTP responses.
 
 pub mod error;
 pub mod extra;
 pub mod generate;
 pub mod openai;
+pub mod pd;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -40,6 +42,8 @@ pub struct Inner {
     pub hf: Option<Arc<hf_tokenize::HfTokenizer>>,
     /// The KV-event publisher, when `--kv-events-config` enables one.
     pub kv: Option<KvInfo>,
+    /// `remote_engine_id` of this server's prefill legs (`--kv-engine-id` or a random UUID).
+    pub kv_engine_id: String,
 }
 
 /// What the HTTP layer knows of the KV-event publisher.
@@ -86,6 +90,7 @@ pub fn router(state: AppState) -> Router {
         .route("/get_load", get(extra::get_load))
         .route("/kv_event_sources", get(extra::kv_event_sources))
         .route("/reset_prefix_cache", post(extra::reset_prefix_cache))
+        .route(pd::PULL_PATH, post(pd::serve_pull))
         .merge(admin_routes())
         // Long prompts as token-id arrays exceed axum's 2 MB default; vLLM has no such limit.
         .layer(DefaultBodyLimit::max(64 << 20))

@@ -13,6 +13,8 @@
 //! * A prompt of `--max-model-len` tokens or more is refused; a `max_tokens` beyond the rest of
 //!   the context is lowered to fit (vLLM 0.32 does the same). Prompt + output must fit the KV
 //!   cache at all.
+//! * `kv_transfer_params` (both endpoints): an object or null, as vLLM's `dict | None`; what it
+//!   asks for is read by [`super::pd`].
 
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64;
@@ -61,6 +63,9 @@ pub struct CompletionRequest {
     /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// P/D disaggregation (vLLM's NixlConnector protocol, see [`super::pd`]).
+    #[serde(default)]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -116,7 +121,13 @@ pub struct ChatRequest {
     /// vLLM's prefix-cache isolation key (mixed into the first block's hash).
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// P/D disaggregation (vLLM's NixlConnector protocol, see [`super::pd`]).
+    #[serde(default)]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
+
+/// `kv_transfer_params` as sent: any JSON object.
+pub type KvTransferParams = serde_json::Map<String, serde_json::Value>;
 
 /// Which model a request addressed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,6 +157,7 @@ pub struct Prepared {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_salt: Option<String>,
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// Resolves the `model` field against the served names and adapters.
@@ -318,6 +330,7 @@ fn finish(
         stream,
         include_usage,
         cache_salt: None,
+        kv_transfer_params: None,
     })
 }
 
@@ -353,6 +366,7 @@ pub fn prepare_completion(
     )?;
     Ok(Prepared {
         cache_salt: req.cache_salt,
+        kv_transfer_params: req.kv_transfer_params,
         ..p
     })
 }
@@ -387,6 +401,7 @@ pub fn prepare_chat(st: &AppState, req: ChatRequest, body: &[u8]) -> Result<Prep
     )?;
     Ok(Prepared {
         cache_salt: req.cache_salt,
+        kv_transfer_params: req.kv_transfer_params,
         ..p
     })
 }

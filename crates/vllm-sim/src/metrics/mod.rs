@@ -23,6 +23,8 @@ pub const FINISH_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repe
 pub const FINISHED_LENGTH: usize = 1;
 /// Index of "abort" in [`FINISH_REASONS`].
 pub const FINISHED_ABORT: usize = 2;
+/// Index of "error" in [`FINISH_REASONS`].
+pub const FINISHED_ERROR: usize = 3;
 
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -110,6 +112,11 @@ pub struct Metrics {
     /// Prompt tokens of requests whose prefill finished, split by source.
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
+    /// P/D: prompt tokens whose KV came from a pull (vLLM's `external_kv_transfer`).
+    pub prompt_tokens_external: u64,
+    /// P/D: vLLM's connector prefix-cache counters (`vllm:external_prefix_cache_*`).
+    pub external_queries: u64,
+    pub external_hits: u64,
     pub generation_tokens: u64,
     /// Finished requests by reason, indexed like [`FINISH_REASONS`].
     pub finished: [u64; 5],
@@ -147,6 +154,9 @@ impl Metrics {
             preemptions: 0,
             prompt_tokens_computed: 0,
             prompt_tokens_cached: 0,
+            prompt_tokens_external: 0,
+            external_queries: 0,
+            external_hits: 0,
             generation_tokens: 0,
             finished: [0; 5],
             running_loras: Vec::new(),

@@ -206,11 +206,27 @@ pub fn render(m: &Metrics, info: &PageInfo) -> String {
         &[(none, m.prefix_hits as f64)],
         true,
     );
+    p.counter(
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+        &[(none, m.external_queries as f64)],
+        true,
+    );
+    p.counter(
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+        &[(none, m.external_hits as f64)],
+        true,
+    );
     for (name, help) in [
-        ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
-        ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
-        ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
-        ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+        (
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+        ),
+        (
+            "vllm:mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items.",
+        ),
     ] {
         p.counter(name, help, &[(none, 0.0)], true);
     }
@@ -220,8 +236,9 @@ pub fn render(m: &Metrics, info: &PageInfo) -> String {
         &[(none, m.preemptions as f64)],
         true,
     );
-    let prompt_total = (m.prompt_tokens_computed + m.prompt_tokens_cached) as f64;
-    let cached = m.prompt_tokens_cached as f64;
+    let external = m.prompt_tokens_external as f64;
+    let prompt_total = (m.prompt_tokens_computed + m.prompt_tokens_cached) as f64 + external;
+    let local_hit = m.prompt_tokens_cached as f64;
     p.counter(
         "vllm:prompt_tokens",
         "Number of prefill tokens processed.",
@@ -236,15 +253,15 @@ pub fn render(m: &Metrics, info: &PageInfo) -> String {
                 &[("source", "local_compute")],
                 m.prompt_tokens_computed as f64,
             ),
-            (&[("source", "local_cache_hit")], cached),
-            (&[("source", "external_kv_transfer")], 0.0),
+            (&[("source", "local_cache_hit")], local_hit),
+            (&[("source", "external_kv_transfer")], external),
         ],
         true,
     );
     p.counter(
         "vllm:prompt_tokens_cached",
         "Number of cached prompt tokens (local + external).",
-        &[(none, cached)],
+        &[(none, local_hit + external)],
         true,
     );
     p.counter(
@@ -255,7 +272,7 @@ pub fn render(m: &Metrics, info: &PageInfo) -> String {
             (&[("source", "host")], 0.0),
             (&[("source", "p2p")], 0.0),
             (&[("source", "disk")], 0.0),
-            (&[("source", "external_unspecified")], 0.0),
+            (&[("source", "external_unspecified")], m.external_hits as f64),
         ],
         true,
     );
