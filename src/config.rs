@@ -14,28 +14,7 @@ use serde::Deserialize;
 
 use crate::endpoints::engine::EngineMetricNames;
 
-/// A configuration problem found at start.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("invalid config {path}: {message}")]
-    Parse { path: String, message: String },
-    #[error("invalid config: `{field}`: {message}")]
-    Invalid { field: String, message: String },
-}
-
-impl ConfigError {
-    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError::Invalid {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
+pub use crate::config_error::ConfigError;
 
 /// How logs are written.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]

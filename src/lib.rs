@@ -37,6 +37,7 @@
 
 pub mod background;
 pub mod config;
+pub mod config_error;
 pub mod discovery;
 pub mod endpoints;
 pub mod error;
@@ -57,7 +58,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use config::{Config, ConfigError};
+use config::Config;
+use config_error::ConfigError;
 use endpoints::poller::Poller;
 use endpoints::Pool;
 use forward::Forwarder;

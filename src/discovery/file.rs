@@ -11,7 +11,8 @@ use std::time::{Duration, SystemTime};
 use serde::Deserialize;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendConfig, BackendDefaults, ConfigError, FileDiscoveryConfig};
+use crate::config::{BackendConfig, BackendDefaults, FileDiscoveryConfig};
+use crate::config_error::ConfigError;
 
 /// Largest backend file read.
 const MAX_FILE_BYTES: u64 = 16 << 20;

@@ -102,7 +102,7 @@ pub async fn run(mut source: Box<dyn Discovery>, pool: Arc<Pool>, mut stop: watc
 /// `[[backends]]`, and only a reload changes them).
 pub fn from_config(
     config: &crate::config::Config,
-) -> Result<Option<Box<dyn Discovery>>, crate::config::ConfigError> {
+) -> Result<Option<Box<dyn Discovery>>, crate::config_error::ConfigError> {
     use crate::config::DiscoverySource;
     let d = &config.discovery;
     Ok(match d.source {

@@ -28,7 +28,9 @@ use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 
-use crate::config::{BackendConfig, Config, ConfigError};
+use crate::config::{BackendConfig, Config};
+
+use crate::config_error::ConfigError;
 use crate::forward::pool::Connector;
 use crate::forward::tls::ClientConfigs;
 use engine::{EngineMetricNames, LoadMetrics};

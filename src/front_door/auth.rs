@@ -34,7 +34,9 @@ use http::header::AUTHORIZATION;
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
-use crate::config::{AuthConfig, ConfigError, PriorityConfig};
+use crate::config::{AuthConfig, PriorityConfig};
+
+use crate::config_error::ConfigError;
 use crate::error::Error;
 use crate::scheduling::admission::hold;
 use crate::scheduling::priority::ClassRule;

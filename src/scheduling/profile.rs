@@ -22,7 +22,8 @@ use super::plugins::scorer::{
     prefix_cache::PrefixCacheScorer,
 };
 use super::registry::{build, PluginInstance};
-use crate::config::{Config, ConfigError, PluginSpec, ProfilePluginRef, ProfileSpec};
+use crate::config::{Config, PluginSpec, ProfilePluginRef, ProfileSpec};
+use crate::config_error::ConfigError;
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
 
