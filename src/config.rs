@@ -8,11 +8,11 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::Duration;
 
 use serde::Deserialize;
 
 use crate::endpoints::engine::EngineMetricNames;
+pub use crate::endpoints::{BackendConfig, OutlierConfig, PollerConfig};
 
 pub use crate::config_error::ConfigError;
 
@@ -222,31 +222,6 @@ impl Default for LimitsConfig {
     }
 }
 
-/// Passive health: eject a backend that keeps failing requests.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OutlierConfig {
-    /// Consecutive connect failures or 5xx answers that eject a backend (0 = off).
-    pub consecutive_failures: u32,
-    /// First ejection length; each further ejection doubles it.
-    pub base_ejection_ms: u64,
-    pub max_ejection_ms: u64,
-    /// Largest share of the fleet (percent) passively ejected at once; at least one backend
-    /// may always be ejected, but never the last healthy backend of a model.
-    pub max_ejection_percent: u32,
-}
-
-impl Default for OutlierConfig {
-    fn default() -> Self {
-        OutlierConfig {
-            consecutive_failures: 5,
-            base_ejection_ms: 5_000,
-            max_ejection_ms: 300_000,
-            max_ejection_percent: 50,
-        }
-    }
-}
-
 /// Client authentication and per-key rate limits.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -389,55 +364,6 @@ impl PriorityConfig {
             ));
         }
         Ok(())
-    }
-}
-
-/// The metrics and model poller.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PollerConfig {
-    /// How often every backend's `/metrics` is scraped.
-    pub interval_ms: u64,
-    /// Per-scrape timeout; a slow backend never delays the others.
-    pub timeout_ms: u64,
-    /// Metrics older than this are treated as unknown by scorers.
-    pub stale_after_ms: u64,
-    /// How often each backend's `/v1/models` is re-read.
-    pub models_interval_ms: u64,
-    /// Consecutive failed scrapes that mark a backend unhealthy.
-    pub unhealthy_after: u32,
-    /// Consecutive successful scrapes that re-admit an unhealthy backend.
-    pub healthy_after: u32,
-    /// Ask backends for only the series inferlb reads (`/metrics?name[]=…`).
-    pub filter_metrics: bool,
-}
-
-impl Default for PollerConfig {
-    fn default() -> Self {
-        PollerConfig {
-            interval_ms: 50,
-            timeout_ms: 500,
-            stale_after_ms: 1_000,
-            models_interval_ms: 10_000,
-            unhealthy_after: 3,
-            healthy_after: 2,
-            filter_metrics: true,
-        }
-    }
-}
-
-impl PollerConfig {
-    pub fn interval(&self) -> Duration {
-        Duration::from_millis(self.interval_ms)
-    }
-    pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.timeout_ms)
-    }
-    pub fn stale_after(&self) -> Duration {
-        Duration::from_millis(self.stale_after_ms)
-    }
-    pub fn models_interval(&self) -> Duration {
-        Duration::from_millis(self.models_interval_ms)
     }
 }
 
@@ -592,7 +518,7 @@ pub struct BackendDefaults {
 impl Default for BackendDefaults {
     fn default() -> Self {
         BackendDefaults {
-            engine: default_engine(),
+            engine: crate::endpoints::config::default_engine(),
             api_key: None,
             models: None,
             scheme: "http".into(),
@@ -693,53 +619,6 @@ impl Default for KubernetesDiscoveryConfig {
     }
 }
 
-/// One backend server.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BackendConfig {
-    /// Base URL, e.g. `http://10.0.0.5:8000` (no path).
-    pub url: String,
-    /// Metric name set to read: `vllm` (default), `sglang`, or one from `[engines]`.
-    #[serde(default = "default_engine")]
-    pub engine: String,
-    /// Sent as `Authorization: Bearer …` to this backend, replacing the client's header.
-    #[serde(default)]
-    pub api_key: Option<String>,
-    /// Served models; when set, `/v1/models` discovery is skipped for this backend.
-    #[serde(default)]
-    pub models: Option<Vec<String>>,
-    /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
-    #[serde(default)]
-    pub ca_file: Option<std::path::PathBuf>,
-    /// Its KV-cache event stream: `"tcp://HOST:PORT"` (connect), `"bind:tcp://HOST:PORT"` (the
-    /// engine connects to us), `"auto"` (read its `GET /kv_event_sources`) or `"off"`; unset:
-    /// `kv_events.default`.
-    #[serde(default)]
-    pub kv_events: Option<String>,
-    /// Its replay endpoint (`"tcp://HOST:PORT"`), asked to resend lost events; unset: found by
-    /// `"auto"` or `kv_events.replay`.
-    #[serde(default)]
-    pub kv_events_replay: Option<String>,
-}
-
-fn default_engine() -> String {
-    "vllm".into()
-}
-
-impl BackendConfig {
-    pub fn from_url(url: impl Into<String>) -> Self {
-        BackendConfig {
-            url: url.into(),
-            engine: default_engine(),
-            api_key: None,
-            models: None,
-            ca_file: None,
-            kv_events: None,
-            kv_events_replay: None,
-        }
-    }
-}
-
 /// A plugin instance: `type` picks the factory, `name` is how profiles refer to it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -809,14 +688,7 @@ impl Config {
             ));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            let (scheme, _) = crate::endpoints::parse_base_url(&b.url)
-                .map_err(|m| ConfigError::invalid(format!("backends[{i}].url"), m))?;
-            if b.ca_file.is_some() && scheme != http::uri::Scheme::HTTPS {
-                return Err(ConfigError::invalid(
-                    format!("backends[{i}].ca_file"),
-                    "set on a backend whose URL is not https://",
-                ));
-            }
+            b.validate(i)?;
             crate::kv_events::Source::from_backend(b, &self.kv_events)
                 .map_err(|m| ConfigError::invalid(format!("backends[{i}].kv_events"), m))?;
             if self.engine(&b.engine).is_none() {
@@ -836,29 +708,8 @@ impl Config {
                 "must be greater than 0",
             ));
         }
-        if self.outlier_detection.max_ejection_percent > 100 {
-            return Err(ConfigError::invalid(
-                "outlier_detection.max_ejection_percent",
-                "must be within 0..100",
-            ));
-        }
-        let p = &self.poller;
-        for (field, v) in [
-            ("poller.interval_ms", p.interval_ms),
-            ("poller.timeout_ms", p.timeout_ms),
-            ("poller.stale_after_ms", p.stale_after_ms),
-            ("poller.models_interval_ms", p.models_interval_ms),
-        ] {
-            if v == 0 {
-                return Err(ConfigError::invalid(field, "must be greater than 0"));
-            }
-        }
-        if p.unhealthy_after == 0 || p.healthy_after == 0 {
-            return Err(ConfigError::invalid(
-                "poller",
-                "unhealthy_after and healthy_after must be at least 1",
-            ));
-        }
+        self.outlier_detection.validate()?;
+        self.poller.validate()?;
         if !(1_000..=60_000).contains(&self.forward.retry_budget_window_ms) {
             return Err(ConfigError::invalid(
                 "forward.retry_budget_window_ms",
@@ -993,36 +844,6 @@ mod tests {
         let err =
             Config::from_toml("[[backends]]\nurl = \"http://a:1\"\nweight = 2\n", "t").unwrap_err();
         assert!(err.to_string().contains("weight"), "{err}");
-    }
-
-    #[test]
-    fn invalid_backend_url_is_named() {
-        for url in [
-            "not a url",
-            "ftp://x:1",
-            "http://",
-            "http://h:1/path",
-            "http://h:99999",
-            "https://user:pw@h:1",
-        ] {
-            let c = Config::from_toml(&format!("[[backends]]\nurl = \"{url}\"\n"), "t").unwrap();
-            let err = c.validate().unwrap_err().to_string();
-            assert!(err.contains("backends[0].url"), "{url}: {err}");
-        }
-    }
-
-    #[test]
-    fn https_backends_are_accepted_and_ca_file_needs_https() {
-        let c =
-            Config::from_toml("[[backends]]\nurl = \"https://vllm.example:8443\"\n", "t").unwrap();
-        c.validate().unwrap();
-        let c = Config::from_toml(
-            "[[backends]]\nurl = \"http://h:1\"\nca_file = \"/etc/ca.pem\"\n",
-            "t",
-        )
-        .unwrap();
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("backends[0].ca_file"), "{err}");
     }
 
     #[test]

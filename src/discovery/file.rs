@@ -11,8 +11,9 @@ use std::time::{Duration, SystemTime};
 use serde::Deserialize;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendConfig, BackendDefaults, FileDiscoveryConfig};
+use crate::config::{BackendDefaults, FileDiscoveryConfig};
 use crate::config_error::ConfigError;
+use crate::endpoints::BackendConfig;
 
 /// Largest backend file read.
 const MAX_FILE_BYTES: u64 = 16 << 20;

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::config::BackendConfig;
+use crate::endpoints::BackendConfig;
 use crate::endpoints::Pool;
 use crate::telemetry as t;
 

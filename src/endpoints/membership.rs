@@ -216,7 +216,8 @@ pub fn labels_json(labels: &BTreeMap<String, String>) -> serde_json::Value {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::config::{BackendConfig, Config};
+    use crate::config::Config;
+    use crate::endpoints::BackendConfig;
 
     fn desired(urls: &[&str]) -> Vec<DesiredBackend> {
         urls.iter()

@@ -7,6 +7,7 @@
 //! and is the one signal that is fresh between two polls.
 
 pub mod capacity;
+pub mod config;
 pub mod engine;
 pub mod membership;
 pub mod passive;
@@ -14,12 +15,13 @@ pub mod poller;
 pub mod prometheus;
 pub mod sent_work;
 
+pub use config::{BackendConfig, OutlierConfig, PollerConfig};
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::config::OutlierConfig;
 use crate::telemetry as t;
 use capacity::Waiters;
 use passive::Admission;
@@ -28,7 +30,7 @@ use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 
-use crate::config::{BackendConfig, Config};
+use crate::config::Config;
 
 use crate::config_error::ConfigError;
 use crate::forward::pool::Connector;

@@ -22,7 +22,9 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::Full;
 
-use crate::config::{ForwardConfig, OutlierConfig};
+use crate::config::ForwardConfig;
+
+use crate::endpoints::OutlierConfig;
 use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
 use crate::prompt::RequestView;

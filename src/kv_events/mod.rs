@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::config::BackendConfig;
+use crate::endpoints::BackendConfig;
 
 use crate::config_error::ConfigError;
 use crate::endpoints::Backend;
