@@ -157,7 +157,7 @@ pub async fn run_reloadable(
             forwarder.forget(backend);
         }));
     }
-    if let Some(source) = discovery::from_config(&config)? {
+    if let Some(source) = discovery::from_config(&config.discovery)? {
         tokio::spawn(discovery::run(source, Arc::clone(&pool), stop_rx.clone()));
     }
     let layer = SchedulerLayer::new(

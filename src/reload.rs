@@ -16,7 +16,9 @@
 
 use std::sync::Arc;
 
-use crate::config::{Config, DiscoverySource};
+use crate::config::Config;
+
+use crate::discovery::DiscoverySource;
 
 use crate::config_error::ConfigError;
 use crate::discovery::DesiredBackend;

@@ -11,8 +11,8 @@ use std::time::{Duration, SystemTime};
 use serde::Deserialize;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendDefaults, FileDiscoveryConfig};
 use crate::config_error::ConfigError;
+use crate::discovery::{BackendDefaults, FileDiscoveryConfig};
 use crate::endpoints::BackendConfig;
 
 /// Largest backend file read.

@@ -227,7 +227,7 @@ mod tests {
 
     fn pool() -> Pool {
         let mut c = Config::default();
-        c.discovery.source = crate::config::DiscoverySource::File;
+        c.discovery.source = crate::discovery::DiscoverySource::File;
         Pool::from_config(&c).unwrap()
     }
 

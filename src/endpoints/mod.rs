@@ -387,7 +387,7 @@ impl Pool {
             reconciling: Mutex::new(()),
             tls: Mutex::new(ClientConfigs::new(config.forward.ca_file.clone())),
         };
-        if config.discovery.source == crate::config::DiscoverySource::Static {
+        if config.discovery.source == crate::discovery::DiscoverySource::Static {
             // Static backends are configuration: a bad one is an error naming its field (a
             // discovered one is skipped with a warning instead).
             for (i, b) in config.backends.iter().enumerate() {
