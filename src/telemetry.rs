@@ -11,8 +11,6 @@ use std::time::Duration;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 
-use crate::config::LogFormat;
-
 pub mod handles;
 pub mod line;
 pub mod log_writer;
@@ -180,6 +178,15 @@ pub fn init_logging(format: LogFormat, filter: &str) {
             LogFormat::Text => line::Style::Text,
         });
     }
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 #[cfg(test)]

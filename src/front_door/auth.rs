@@ -31,10 +31,11 @@ use axum::response::{IntoResponse, Response};
 use governor::clock::Clock as _;
 use governor::{DefaultDirectRateLimiter, Quota};
 use http::header::AUTHORIZATION;
+use serde::Deserialize;
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
-use crate::config::{AuthConfig, PriorityConfig};
+use crate::scheduling::priority::PriorityConfig;
 
 use crate::config_error::ConfigError;
 use crate::error::Error;
@@ -317,6 +318,51 @@ pub async fn admin_gate(
         }
     }
     next.run(req).await
+}
+
+/// `[auth]`: client authentication and per-key rate limits.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Accepted bearer tokens. Authentication is on when any key is configured.
+    pub api_keys: Vec<String>,
+    /// A file with one key per line (`#` comments allowed).
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Name of an environment variable holding comma-separated keys.
+    pub api_keys_env: Option<String>,
+    /// Bearer token required on `/metrics` and `/admin/*` (unset = open).
+    pub admin_token: Option<String>,
+    /// Sustained requests per second per key (0 = unlimited).
+    pub requests_per_second: f64,
+    /// Burst size per key (0 = same as `requests_per_second`, at least 1).
+    pub burst: f64,
+    /// Requests in flight per key (0 = unlimited).
+    pub max_concurrent_per_key: usize,
+}
+
+impl AuthConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let rps = self.requests_per_second;
+        if !(rps >= 0.0 && rps.is_finite()) {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be a number ≥ 0",
+            ));
+        }
+        if rps > 0.0 && rps < MIN_REQUESTS_PER_SECOND {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be 0 (no limit) or at least one request per day (1/86400)",
+            ));
+        }
+        if !(self.burst >= 0.0 && self.burst <= MAX_BURST) {
+            return Err(ConfigError::invalid(
+                "auth.burst",
+                "must be a number within 0..=100000",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
