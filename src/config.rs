@@ -1,9 +1,34 @@
-//! Configuration: serde types with a default for every field, then `validate()`.
+//! Configuration: the whole file, composed of the sections each module owns.
+//!
+//! Every section is defined beside the code that uses it, with its defaults and its own
+//! `validate()` (the table below); this module only composes them into [`Config`], loads the
+//! file ([`Config::from_file`]; `main.rs` applies the command-line overrides), and in
+//! [`Config::validate`] runs each section's checks and then the checks that span sections.
+//! The arrows run one way: this module imports the sections, no section imports it, and all
+//! report a [`ConfigError`] naming the field's full path (from the leaf
+//! [`crate::config_error`]).
+//!
+//! | key | type | owner |
+//! | --- | --- | --- |
+//! | `log_format` | [`LogFormat`] | [`crate::telemetry`] |
+//! | `[server]` | [`ServerConfig`] | [`crate::front_door::serve`] |
+//! | `[auth]` | [`AuthConfig`] | [`crate::front_door::auth`] |
+//! | `[admin]` | [`AdminConfig`] | [`crate::front_door::status`] |
+//! | `[limits]` | [`LimitsConfig`] | [`crate::scheduling::admission`] |
+//! | `[priority]` | [`PriorityConfig`] | [`crate::scheduling::priority`] |
+//! | `[[plugins]]`, `[[scheduling_profiles]]` | [`PluginSpec`], [`ProfileSpec`] | [`crate::scheduling::config`] |
+//! | `[forward]` | [`ForwardConfig`] | [`crate::forward::config`] |
+//! | `[[backends]]`, `[poller]`, `[outlier_detection]` | [`BackendConfig`], [`PollerConfig`], [`OutlierConfig`] | [`crate::endpoints::config`] |
+//! | `[engines.NAME]` | [`EngineMetricNames`] | [`crate::endpoints::engine`] |
+//! | `[discovery]` | [`DiscoveryConfig`] | [`crate::discovery::config`] |
+//! | `[kv_events]` | [`KvEventsConfig`] | [`crate::kv_events`] |
+//! | `[tokenization]` | [`TokenizationConfig`] | [`crate::tokenization`] |
 //!
 //! The flow is parse → defaults → CLI overrides → validate → build. Every struct denies
 //! unknown fields, so a typo in `config.toml` stops the router at start with a message that
 //! names the field instead of being silently ignored. The shipped `config.toml` documents
-//! each field; keep the two in step.
+//! each field; keep the two in step (a test loads it, and every `bench/policies/` file).
+//! The section types are re-exported here for callers that build a whole `Config`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -32,7 +32,10 @@
 //!   the token blocks it truly holds, read by the prefix scorer (precise prefix routing).
 //! * [`workers`] — the request threads: one single-threaded runtime per core, each accepting
 //!   on a `SO_REUSEPORT` socket of its own and keeping its own backend connections.
-//! * [`config`] — the TOML configuration, its defaults and validation.
+//! * [`config`] — the TOML configuration: composes the section each module owns (its struct,
+//!   defaults and `validate`, e.g. `forward::config`, `discovery::config`, `front_door::serve`),
+//!   loads the file and the flags' overrides, and reports errors by the field's path as a
+//!   [`config_error::ConfigError`] (a leaf module, so sections need not import `config`).
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
 pub mod background;
