@@ -208,6 +208,23 @@ impl Config {
     }
 }
 
+impl crate::endpoints::Pool {
+    /// The pool of a whole configuration (composition, so it is built here): the poller's
+    /// staleness, `[engines]`, `forward.ca_file`, and the static `[[backends]]` unless another
+    /// discovery source will fill it.
+    pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
+        let pool = Self::new(
+            config.poller.stale_after(),
+            config.engines.clone(),
+            config.forward.ca_file.clone(),
+        );
+        if config.discovery.source == DiscoverySource::Static {
+            pool.add_static(&config.backends)?;
+        }
+        Ok(pool)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
