@@ -3,6 +3,8 @@
 //! Metric names live here as constants so the README's metrics reference can be checked
 //! against one list. The recorder is process-global (the `metrics` facade is), so it is
 //! installed once and every router in the process — tests start several — shares it.
+//!
+//! It owns the `log_format` key ([`LogFormat`]).
 
 use std::sync::OnceLock;
 

@@ -17,6 +17,8 @@
 //! 10 idle minutes), each entry holding its own direct `governor` limiter. governor's keyed
 //! limiter would keep every key ever seen in its map until `retain_recent` is called; a flood of
 //! client addresses must not grow the router's memory.
+//!
+//! It owns the `[auth]` section ([`AuthConfig`]: its defaults and checks).
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;

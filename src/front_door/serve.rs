@@ -10,6 +10,8 @@
 //! A connection beyond the cap is accepted and closed at once. Leaving it in the kernel's
 //! backlog instead would make the client wait for a connect timeout, and the backlog would
 //! still fill; closing tells it right away to go elsewhere or retry.
+//!
+//! It owns the `[server]` section ([`ServerConfig`]: its defaults and checks).
 
 use std::convert::Infallible;
 use std::future::Future;

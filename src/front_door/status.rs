@@ -5,6 +5,8 @@
 //! itself holds no data, so it is served without the admin token; its script sends the token
 //! (taken from the URL fragment, `/admin#token=…`, which browsers never send to the server)
 //! with the JSON requests, which stay behind `auth.admin_token`.
+//!
+//! It owns the `[admin]` section ([`AdminConfig`]: its defaults and checks).
 
 use std::sync::Arc;
 

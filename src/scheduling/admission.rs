@@ -1,5 +1,7 @@
 //! Admission control: the router-wide in-flight limit with its bounded FIFO queue, the retry
 //! budget, and a body wrapper that holds a permit until the response ends.
+//!
+//! It owns the `[limits]` section ([`LimitsConfig`]: its defaults and checks).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};

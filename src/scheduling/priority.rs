@@ -6,6 +6,8 @@
 //! its ceiling (`max_class`, per API key or global), so a client cannot promote itself. The
 //! capacity queue ([`crate::endpoints::capacity`]) serves higher classes first and sheds lower
 //! ones first.
+//!
+//! It owns the `[priority]` section ([`PriorityConfig`]: its defaults and checks).
 
 use std::collections::BTreeMap;
 

@@ -13,6 +13,8 @@
 //! the longest prefix seen before ([`prefix_cache`]), cut only where concatenating ids is exact.
 //! A request whose ids cannot be computed (multimodal parts, a template error that vLLM would
 //! answer with a 400) is routed without tokens, as before.
+//!
+//! It owns the `[tokenization]` section ([`TokenizationConfig`]).
 
 pub mod prefix_cache;
 
