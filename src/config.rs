@@ -1,50 +1,58 @@
-//! Configuration: serde types with a default for every field, then `validate()`.
+//! Configuration: the whole file, composed of the sections each module owns.
+//!
+//! Every section is defined beside the code that uses it, with its defaults and its own
+//! `validate()` (the table below); this module only composes them into [`Config`], loads the
+//! file ([`Config::from_file`]; `main.rs` applies the command-line overrides), and in
+//! [`Config::validate`] runs each section's checks and then the checks that span sections.
+//! The arrows run one way: this module imports the sections, no section imports it, and all
+//! report a [`ConfigError`] naming the field's full path (from the leaf
+//! [`crate::config_error`]).
+//!
+//! | key | type | owner |
+//! | --- | --- | --- |
+//! | `log_format` | [`LogFormat`] | [`crate::telemetry`] |
+//! | `[server]` | [`ServerConfig`] | [`crate::front_door::serve`] |
+//! | `[auth]` | [`AuthConfig`] | [`crate::front_door::auth`] |
+//! | `[admin]` | [`AdminConfig`] | [`crate::front_door::status`] |
+//! | `[limits]` | [`LimitsConfig`] | [`crate::scheduling::admission`] |
+//! | `[priority]` | [`PriorityConfig`] | [`crate::scheduling::priority`] |
+//! | `[[plugins]]`, `[[scheduling_profiles]]` | [`PluginSpec`], [`ProfileSpec`] | [`crate::scheduling::config`] |
+//! | `[forward]` | [`ForwardConfig`] | [`crate::forward::config`] |
+//! | `[[backends]]`, `[poller]`, `[outlier_detection]` | [`BackendConfig`], [`PollerConfig`], [`OutlierConfig`] | [`crate::endpoints::config`] |
+//! | `[engines.NAME]` | [`EngineMetricNames`] | [`crate::endpoints::engine`] |
+//! | `[discovery]` | [`DiscoveryConfig`] | [`crate::discovery::config`] |
+//! | `[kv_events]` | [`KvEventsConfig`] | [`crate::kv_events`] |
+//! | `[tokenization]` | [`TokenizationConfig`] | [`crate::tokenization`] |
 //!
 //! The flow is parse → defaults → CLI overrides → validate → build. Every struct denies
 //! unknown fields, so a typo in `config.toml` stops the router at start with a message that
 //! names the field instead of being silently ignored. The shipped `config.toml` documents
-//! each field; keep the two in step.
+//! each field; keep the two in step (a test loads it, and every `bench/policies/` file).
+//! The section types are re-exported here for callers that build a whole `Config`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::Duration;
 
 use serde::Deserialize;
 
+pub use crate::discovery::{
+    BackendDefaults, DiscoveryConfig, DiscoverySource, DnsDiscoveryConfig, FileDiscoveryConfig,
+    KubernetesDiscoveryConfig, PortRef,
+};
+pub use crate::endpoints::capacity::MAX_PRIORITY_CLASSES;
 use crate::endpoints::engine::EngineMetricNames;
+pub use crate::endpoints::{BackendConfig, OutlierConfig, PollerConfig};
+pub use crate::forward::ForwardConfig;
+pub use crate::front_door::{auth::AuthConfig, serve::ServerConfig, status::AdminConfig};
+pub use crate::kv_events::KvEventsConfig;
+pub use crate::scheduling::admission::LimitsConfig;
+pub use crate::scheduling::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
+pub use crate::scheduling::priority::{KeyPriority, PriorityConfig};
+pub use crate::telemetry::LogFormat;
+pub use crate::tokenization::TokenizationConfig;
 
-/// A configuration problem found at start.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("invalid config {path}: {message}")]
-    Parse { path: String, message: String },
-    #[error("invalid config: `{field}`: {message}")]
-    Invalid { field: String, message: String },
-}
-
-impl ConfigError {
-    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError::Invalid {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
-
-/// How logs are written.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
+pub use crate::config_error::ConfigError;
 
 /// The whole file.
 #[derive(Debug, Clone, Deserialize)]
@@ -90,61 +98,7 @@ pub struct Config {
     /// Hugging Face tokenizers: the token ids vLLM will compute, per model.
     pub tokenization: TokenizationConfig,
     /// `[kv_events]`: subscribing to the backends' KV-cache event streams (precise prefix routing).
-    pub kv_events: crate::kv_events::KvEventsConfig,
-}
-
-/// `[tokenization]`: which models get in-process tokenization (chat template + tokenizer).
-///
-/// Per model name, not per backend: a model name stands for one tokenizer (backends that
-/// serve the same name with different tokenizers would not share a prefix cache anyway).
-/// Loaded once at start-up; a reload does not reload tokenizers.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TokenizationConfig {
-    /// Model directory (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`)
-    /// for every model without its own entry in `models` (`--tokenizer DIR`).
-    pub dir: Option<std::path::PathBuf>,
-    /// Served model name → model directory.
-    pub models: BTreeMap<String, std::path::PathBuf>,
-    /// Token ids kept by each tokenizer's prefix cache (0 = no cache).
-    pub prefix_cache_tokens: u64,
-    /// Requests whose body is larger are routed without token ids (counted as `too_long`):
-    /// it bounds the work and memory one request's tokenization can take (one pre-token of
-    /// millions of characters costs `tokenizers` hundreds of bytes per token).
-    pub max_body_bytes: usize,
-}
-
-impl Default for TokenizationConfig {
-    fn default() -> Self {
-        TokenizationConfig {
-            dir: None,
-            models: BTreeMap::new(),
-            prefix_cache_tokens: 4_000_000,
-            max_body_bytes: 2 * 1024 * 1024,
-        }
-    }
-}
-
-/// `[admin]`: what `/admin`, `/admin/decisions` and `x-inferlb-explain` keep and show.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AdminConfig {
-    /// Recent scheduling decisions kept (a ring; 0 = none). Recorded only while someone reads
-    /// them (for 10 minutes after each read of `/admin/decisions`), unless `decisions_always`.
-    pub decisions: usize,
-    pub decisions_always: bool,
-    /// Honour `x-inferlb-explain: 1` from every client (admin-token holders always may).
-    pub explain: bool,
-}
-
-impl Default for AdminConfig {
-    fn default() -> Self {
-        AdminConfig {
-            decisions: 64,
-            decisions_always: false,
-            explain: false,
-        }
-    }
+    pub kv_events: KvEventsConfig,
 }
 
 impl Default for Config {
@@ -174,628 +128,9 @@ impl Default for Config {
             profile: None,
             admin: AdminConfig::default(),
             tokenization: TokenizationConfig::default(),
-            kv_events: crate::kv_events::KvEventsConfig::default(),
+            kv_events: KvEventsConfig::default(),
         }
     }
-}
-
-/// The front door's connection handling.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ServerConfig {
-    /// A client must send its request headers within this time.
-    pub header_read_timeout_ms: u64,
-    /// A client must send its whole request body within this time (408 otherwise).
-    pub body_read_timeout_ms: u64,
-    /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
-    pub shutdown_timeout_ms: u64,
-    /// Deepest JSON nesting accepted in a request body (400 above it).
-    pub max_json_depth: usize,
-    /// Largest request line plus headers, in bytes (431 above it); at least 8192.
-    pub max_header_bytes: usize,
-    /// Request worker threads: `"auto"` (one per core), a number, or `"shared"` (one
-    /// work-stealing runtime); see [`crate::workers`]. Read at start-up only.
-    pub workers: crate::workers::Workers,
-}
-
-impl Default for ServerConfig {
-    fn default() -> Self {
-        ServerConfig {
-            header_read_timeout_ms: 10_000,
-            body_read_timeout_ms: 30_000,
-            shutdown_timeout_ms: 30_000,
-            max_json_depth: 64,
-            max_header_bytes: 65_536,
-            workers: crate::workers::Workers::Auto,
-        }
-    }
-}
-
-/// Concurrency limits and the router-side queue.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LimitsConfig {
-    /// Requests in flight through the router at once (0 = no limit).
-    pub max_inflight: usize,
-    /// Requests in flight to one backend at once (0 = no limit).
-    pub max_inflight_per_backend: u64,
-    /// Requests allowed to wait for capacity; more get 429 at once.
-    pub max_queued: usize,
-    /// How long a request may wait for capacity before 429.
-    pub queue_timeout_ms: u64,
-    /// Client connections open at once on each listener (0 = no limit); more are closed on
-    /// arrival.
-    pub max_connections: usize,
-    /// Most messages in one chat request (400 above it); at most 100000.
-    pub max_messages: usize,
-}
-
-impl Default for LimitsConfig {
-    fn default() -> Self {
-        LimitsConfig {
-            max_inflight: 0,
-            max_inflight_per_backend: 0,
-            max_queued: 1024,
-            queue_timeout_ms: 10_000,
-            max_connections: 10_000,
-            max_messages: 10_000,
-        }
-    }
-}
-
-/// Passive health: eject a backend that keeps failing requests.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OutlierConfig {
-    /// Consecutive connect failures or 5xx answers that eject a backend (0 = off).
-    pub consecutive_failures: u32,
-    /// First ejection length; each further ejection doubles it.
-    pub base_ejection_ms: u64,
-    pub max_ejection_ms: u64,
-    /// Largest share of the fleet (percent) passively ejected at once; at least one backend
-    /// may always be ejected, but never the last healthy backend of a model.
-    pub max_ejection_percent: u32,
-}
-
-impl Default for OutlierConfig {
-    fn default() -> Self {
-        OutlierConfig {
-            consecutive_failures: 5,
-            base_ejection_ms: 5_000,
-            max_ejection_ms: 300_000,
-            max_ejection_percent: 50,
-        }
-    }
-}
-
-/// Client authentication and per-key rate limits.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AuthConfig {
-    /// Accepted bearer tokens. Authentication is on when any key is configured.
-    pub api_keys: Vec<String>,
-    /// A file with one key per line (`#` comments allowed).
-    pub api_keys_file: Option<std::path::PathBuf>,
-    /// Name of an environment variable holding comma-separated keys.
-    pub api_keys_env: Option<String>,
-    /// Bearer token required on `/metrics` and `/admin/*` (unset = open).
-    pub admin_token: Option<String>,
-    /// Sustained requests per second per key (0 = unlimited).
-    pub requests_per_second: f64,
-    /// Burst size per key (0 = same as `requests_per_second`, at least 1).
-    pub burst: f64,
-    /// Requests in flight per key (0 = unlimited).
-    pub max_concurrent_per_key: usize,
-}
-
-/// The most priority classes a config may define (each is a metric label value).
-pub const MAX_PRIORITY_CLASSES: usize = 8;
-
-/// `[priority]`: classes of requests waiting for a backend slot, highest first. A request asks
-/// for a class with the `header`; it gets at most its `max_class` (per API key, else the
-/// global one) and `default_class` when it asks for none or for an unknown name.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct PriorityConfig {
-    pub header: String,
-    /// Class names, highest priority first (1..=8, `[a-z0-9_-]`, at most 32 bytes each).
-    pub classes: Vec<String>,
-    pub default_class: String,
-    /// The highest class a request may ask for.
-    pub max_class: String,
-    /// Per-class queue timeouts (ms) replacing `limits.queue_timeout_ms`.
-    pub queue_timeout_ms: BTreeMap<String, u64>,
-    /// Per-API-key default and ceiling.
-    pub keys: Vec<KeyPriority>,
-}
-
-impl Default for PriorityConfig {
-    fn default() -> Self {
-        PriorityConfig {
-            header: "x-inferlb-priority".into(),
-            classes: vec!["interactive".into(), "standard".into(), "batch".into()],
-            default_class: "standard".into(),
-            max_class: "standard".into(),
-            queue_timeout_ms: BTreeMap::new(),
-            keys: Vec::new(),
-        }
-    }
-}
-
-/// `[[priority.keys]]`: the class rules of one API key (one of `auth.api_keys` or the files).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct KeyPriority {
-    pub key: String,
-    /// Defaults to `priority.default_class`.
-    #[serde(default)]
-    pub default_class: Option<String>,
-    /// Defaults to `priority.max_class`.
-    #[serde(default)]
-    pub max_class: Option<String>,
-}
-
-impl PriorityConfig {
-    /// The index (0 = highest) of class `name`.
-    pub fn index(&self, name: &str) -> Option<u8> {
-        self.classes
-            .iter()
-            .position(|c| c == name)
-            .and_then(|i| u8::try_from(i).ok())
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
-        let n = self.classes.len();
-        if n == 0 || n > MAX_PRIORITY_CLASSES {
-            return Err(ConfigError::invalid(
-                "priority.classes",
-                format!("needs 1..={MAX_PRIORITY_CLASSES} classes"),
-            ));
-        }
-        for (i, c) in self.classes.iter().enumerate() {
-            let ok = !c.is_empty()
-                && c.len() <= 32
-                && c.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
-                });
-            if !ok {
-                return Err(ConfigError::invalid(
-                    format!("priority.classes[{i}]"),
-                    format!("`{c}`: class names are 1..=32 of [a-z0-9_-]"),
-                ));
-            }
-            if self.classes[..i].contains(c) {
-                return Err(ConfigError::invalid(
-                    format!("priority.classes[{i}]"),
-                    format!("`{c}` is listed twice"),
-                ));
-            }
-        }
-        let known = |field: String, name: &str| {
-            if self.index(name).is_some() {
-                Ok(())
-            } else {
-                Err(ConfigError::invalid(
-                    field,
-                    format!(
-                        "unknown class `{name}` (classes: {})",
-                        self.classes.join(", ")
-                    ),
-                ))
-            }
-        };
-        known("priority.default_class".into(), &self.default_class)?;
-        known("priority.max_class".into(), &self.max_class)?;
-        for (name, ms) in &self.queue_timeout_ms {
-            known(format!("priority.queue_timeout_ms.{name}"), name)?;
-            if *ms == 0 {
-                return Err(ConfigError::invalid(
-                    format!("priority.queue_timeout_ms.{name}"),
-                    "must be greater than 0",
-                ));
-            }
-        }
-        for (i, k) in self.keys.iter().enumerate() {
-            if let Some(c) = &k.default_class {
-                known(format!("priority.keys[{i}].default_class"), c)?;
-            }
-            if let Some(c) = &k.max_class {
-                known(format!("priority.keys[{i}].max_class"), c)?;
-            }
-        }
-        if http::HeaderName::from_bytes(self.header.as_bytes()).is_err() {
-            return Err(ConfigError::invalid(
-                "priority.header",
-                format!("`{}` is not a valid header name", self.header),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// The metrics and model poller.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PollerConfig {
-    /// How often every backend's `/metrics` is scraped.
-    pub interval_ms: u64,
-    /// Per-scrape timeout; a slow backend never delays the others.
-    pub timeout_ms: u64,
-    /// Metrics older than this are treated as unknown by scorers.
-    pub stale_after_ms: u64,
-    /// How often each backend's `/v1/models` is re-read.
-    pub models_interval_ms: u64,
-    /// Consecutive failed scrapes that mark a backend unhealthy.
-    pub unhealthy_after: u32,
-    /// Consecutive successful scrapes that re-admit an unhealthy backend.
-    pub healthy_after: u32,
-    /// Ask backends for only the series inferlb reads (`/metrics?name[]=…`).
-    pub filter_metrics: bool,
-}
-
-impl Default for PollerConfig {
-    fn default() -> Self {
-        PollerConfig {
-            interval_ms: 50,
-            timeout_ms: 500,
-            stale_after_ms: 1_000,
-            models_interval_ms: 10_000,
-            unhealthy_after: 3,
-            healthy_after: 2,
-            filter_metrics: true,
-        }
-    }
-}
-
-impl PollerConfig {
-    pub fn interval(&self) -> Duration {
-        Duration::from_millis(self.interval_ms)
-    }
-    pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.timeout_ms)
-    }
-    pub fn stale_after(&self) -> Duration {
-        Duration::from_millis(self.stale_after_ms)
-    }
-    pub fn models_interval(&self) -> Duration {
-        Duration::from_millis(self.models_interval_ms)
-    }
-}
-
-/// The hyper client that forwards requests.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ForwardConfig {
-    /// Connect timeout per attempt: TCP connect plus the TLS handshake for `https://` backends.
-    pub connect_timeout_ms: u64,
-    /// Time allowed for the backend's response headers (non-streaming requests send headers
-    /// only when generation ends, so this bounds a whole generation).
-    pub response_timeout_ms: u64,
-    /// Attempts per request on connection failures, each on a different backend when possible.
-    pub max_attempts: u32,
-    /// Idle keep-alive connections kept per backend.
-    pub pool_max_idle_per_backend: usize,
-    /// How long an idle keep-alive connection is kept.
-    pub pool_idle_timeout_ms: u64,
-    /// Forward the client's `Authorization` header to backends that have no `api_key`.
-    pub forward_client_authorization: bool,
-    /// Longest silence between two chunks of a streaming response before it is cut.
-    pub stream_idle_timeout_ms: u64,
-    /// Longest a whole request may take, response body included (0 = no limit).
-    pub request_timeout_ms: u64,
-    /// Retry on another backend when a backend answers 5xx or 429 (before any byte reached
-    /// the client), not only when it cannot be reached.
-    pub retry_on_status: bool,
-    /// Retries allowed as a fraction of requests, so retries cannot multiply load in an outage.
-    pub retry_budget_ratio: f64,
-    /// Retries per second always allowed on top of the ratio.
-    pub retry_budget_min_per_sec: u32,
-    /// How long a request counts towards the budget (1000–60000 ms).
-    pub retry_budget_window_ms: u64,
-    /// Backoff before retry n: min(max, base × 2ⁿ) × a random factor in [0.5, 1.5).
-    pub backoff_base_ms: u64,
-    pub backoff_max_ms: u64,
-    /// PEM file of the CAs trusted for `https://` backends without a `ca_file` of their own
-    /// (unset: the built-in Mozilla roots).
-    pub ca_file: Option<std::path::PathBuf>,
-}
-
-impl Default for ForwardConfig {
-    fn default() -> Self {
-        ForwardConfig {
-            connect_timeout_ms: 2_000,
-            response_timeout_ms: 600_000,
-            max_attempts: 3,
-            pool_max_idle_per_backend: 256,
-            pool_idle_timeout_ms: 4_000,
-            forward_client_authorization: false,
-            stream_idle_timeout_ms: 120_000,
-            request_timeout_ms: 1_800_000,
-            retry_on_status: true,
-            retry_budget_ratio: 0.2,
-            retry_budget_min_per_sec: 1,
-            retry_budget_window_ms: 10_000,
-            backoff_base_ms: 20,
-            backoff_max_ms: 500,
-            ca_file: None,
-        }
-    }
-}
-
-/// Which discovery source fills the pool.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DiscoverySource {
-    /// `[[backends]]` / `--backend`.
-    #[default]
-    Static,
-    File,
-    Dns,
-    Kubernetes,
-}
-
-/// `[discovery]`: one source, with its own table.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DiscoveryConfig {
-    pub source: DiscoverySource,
-    pub file: FileDiscoveryConfig,
-    pub dns: DnsDiscoveryConfig,
-    pub kubernetes: KubernetesDiscoveryConfig,
-    /// Engine, API key and fixed models given to every discovered backend (file entries may
-    /// set their own).
-    pub backend_defaults: BackendDefaults,
-}
-
-impl DiscoveryConfig {
-    /// Apply a `--discovery` shorthand: `file:PATH`, `dns:NAME:PORT`,
-    /// `k8s:NAMESPACE/LABEL_SELECTOR:PORT` (port by number or name) or `k8s-pool:NAMESPACE/NAME`.
-    pub fn apply_shorthand(&mut self, spec: &str) -> Result<(), ConfigError> {
-        let bad = |why: &str| {
-            ConfigError::invalid(
-                "--discovery",
-                format!(
-                    "`{spec}`: {why} (use file:PATH, dns:NAME:PORT, k8s:NAMESPACE/SELECTOR:PORT or k8s-pool:NAMESPACE/NAME)"
-                ),
-            )
-        };
-        let (kind, rest) = spec.split_once(':').ok_or_else(|| bad("no source"))?;
-        match kind {
-            "file" if !rest.is_empty() => {
-                self.source = DiscoverySource::File;
-                self.file.path = Some(rest.into());
-            }
-            "dns" => {
-                let (name, port) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
-                self.source = DiscoverySource::Dns;
-                self.dns.name = Some(name.to_owned());
-                self.dns.port = port.parse().map_err(|_| bad("invalid port"))?;
-            }
-            "k8s" => {
-                let (namespace, rest) = rest.split_once('/').ok_or_else(|| bad("no namespace"))?;
-                let (selector, port) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
-                self.source = DiscoverySource::Kubernetes;
-                self.kubernetes.namespace = namespace.to_owned();
-                self.kubernetes.label_selector = Some(selector.to_owned());
-                self.kubernetes.inference_pool = None;
-                self.kubernetes.port = match port.parse() {
-                    Ok(n) => PortRef::Number(n),
-                    Err(_) if !port.is_empty() => PortRef::Name(port.to_owned()),
-                    Err(_) => return Err(bad("no port")),
-                };
-            }
-            "k8s-pool" => {
-                let (namespace, name) = rest.split_once('/').ok_or_else(|| bad("no namespace"))?;
-                self.source = DiscoverySource::Kubernetes;
-                self.kubernetes.namespace = namespace.to_owned();
-                self.kubernetes.inference_pool = Some(name.to_owned());
-                self.kubernetes.label_selector = None;
-            }
-            _ => return Err(bad("unknown source")),
-        }
-        Ok(())
-    }
-}
-
-/// Settings every discovered backend gets.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BackendDefaults {
-    pub engine: String,
-    pub api_key: Option<String>,
-    pub models: Option<Vec<String>>,
-    /// `http` or `https` for DNS and Kubernetes addresses.
-    pub scheme: String,
-    /// CA bundle for `https` backends (default: `forward.ca_file`, else built-in roots).
-    pub ca_file: Option<std::path::PathBuf>,
-}
-
-impl Default for BackendDefaults {
-    fn default() -> Self {
-        BackendDefaults {
-            engine: default_engine(),
-            api_key: None,
-            models: None,
-            scheme: "http".into(),
-            ca_file: None,
-        }
-    }
-}
-
-impl BackendDefaults {
-    /// A backend at `host:port` with these defaults.
-    pub fn backend(&self, host: &str, port: u16) -> BackendConfig {
-        let host = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]")
-        } else {
-            host.to_owned()
-        };
-        BackendConfig {
-            url: format!("{}://{host}:{port}", self.scheme),
-            engine: self.engine.clone(),
-            api_key: self.api_key.clone(),
-            models: self.models.clone(),
-            ca_file: self.ca_file.clone(),
-            kv_events: None,
-            kv_events_replay: None,
-        }
-    }
-}
-
-/// `[discovery.file]`: a TOML (`[[backends]]` tables as in config.toml) or JSON (a list of the
-/// same objects) file, chosen by extension, re-read when its modification time or size changes.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct FileDiscoveryConfig {
-    pub path: Option<std::path::PathBuf>,
-    /// How often the file's metadata is checked.
-    pub poll_interval_ms: u64,
-}
-
-impl Default for FileDiscoveryConfig {
-    fn default() -> Self {
-        FileDiscoveryConfig {
-            path: None,
-            poll_interval_ms: 1_000,
-        }
-    }
-}
-
-/// `[discovery.dns]`: every A/AAAA address of `name` becomes `scheme://ADDR:port`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DnsDiscoveryConfig {
-    pub name: Option<String>,
-    pub port: u16,
-    pub interval_ms: u64,
-}
-
-impl Default for DnsDiscoveryConfig {
-    fn default() -> Self {
-        DnsDiscoveryConfig {
-            name: None,
-            port: 8000,
-            interval_ms: 5_000,
-        }
-    }
-}
-
-/// A container port, by number or by name.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum PortRef {
-    Number(u16),
-    Name(String),
-}
-
-/// `[discovery.kubernetes]`: Pods selected by `label_selector` in `namespace`, or the Pods an
-/// `InferencePool` (inference.networking.k8s.io/v1) selects when `inference_pool` is set.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct KubernetesDiscoveryConfig {
-    pub namespace: String,
-    pub label_selector: Option<String>,
-    pub port: PortRef,
-    pub inference_pool: Option<String>,
-    /// A kubeconfig file; default: in-cluster service account, then `KUBECONFIG`, then
-    /// `~/.kube/config`.
-    pub kubeconfig: Option<std::path::PathBuf>,
-}
-
-impl Default for KubernetesDiscoveryConfig {
-    fn default() -> Self {
-        KubernetesDiscoveryConfig {
-            namespace: "default".into(),
-            label_selector: None,
-            port: PortRef::Number(8000),
-            inference_pool: None,
-            kubeconfig: None,
-        }
-    }
-}
-
-/// One backend server.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BackendConfig {
-    /// Base URL, e.g. `http://10.0.0.5:8000` (no path).
-    pub url: String,
-    /// Metric name set to read: `vllm` (default), `sglang`, or one from `[engines]`.
-    #[serde(default = "default_engine")]
-    pub engine: String,
-    /// Sent as `Authorization: Bearer …` to this backend, replacing the client's header.
-    #[serde(default)]
-    pub api_key: Option<String>,
-    /// Served models; when set, `/v1/models` discovery is skipped for this backend.
-    #[serde(default)]
-    pub models: Option<Vec<String>>,
-    /// PEM file of the CAs trusted for this `https://` backend (replaces `forward.ca_file`).
-    #[serde(default)]
-    pub ca_file: Option<std::path::PathBuf>,
-    /// Its KV-cache event stream: `"tcp://HOST:PORT"` (connect), `"bind:tcp://HOST:PORT"` (the
-    /// engine connects to us), `"auto"` (read its `GET /kv_event_sources`) or `"off"`; unset:
-    /// `kv_events.default`.
-    #[serde(default)]
-    pub kv_events: Option<String>,
-    /// Its replay endpoint (`"tcp://HOST:PORT"`), asked to resend lost events; unset: found by
-    /// `"auto"` or `kv_events.replay`.
-    #[serde(default)]
-    pub kv_events_replay: Option<String>,
-}
-
-fn default_engine() -> String {
-    "vllm".into()
-}
-
-impl BackendConfig {
-    pub fn from_url(url: impl Into<String>) -> Self {
-        BackendConfig {
-            url: url.into(),
-            engine: default_engine(),
-            api_key: None,
-            models: None,
-            ca_file: None,
-            kv_events: None,
-            kv_events_replay: None,
-        }
-    }
-}
-
-/// A plugin instance: `type` picks the factory, `name` is how profiles refer to it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginSpec {
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Defaults to the type name.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// Handed to the plugin's own factory, which rejects unknown keys.
-    #[serde(default)]
-    pub parameters: toml::Table,
-}
-
-impl PluginSpec {
-    pub fn instance_name(&self) -> &str {
-        self.name.as_deref().unwrap_or(&self.kind)
-    }
-}
-
-/// A scheduling profile: the plugins it uses, scorers with weights.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProfileSpec {
-    pub name: String,
-    pub plugins: Vec<ProfilePluginRef>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProfilePluginRef {
-    pub plugin_ref: String,
-    /// Only meaningful for scorers; defaults to 1.
-    #[serde(default)]
-    pub weight: Option<f64>,
 }
 
 impl Config {
@@ -817,27 +152,16 @@ impl Config {
 
     /// Checks that need the whole picture; plugin parameters are checked by their factories.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.admin.decisions > 10_000 {
-            return Err(ConfigError::invalid("admin.decisions", "at most 10000"));
-        }
-        if self.discovery.source != DiscoverySource::Static {
-            // Builds the source without starting it: checks its settings.
-            crate::discovery::from_config(self)?;
-        } else if self.backends.is_empty() {
+        self.admin.validate()?;
+        self.discovery.validate()?;
+        if self.discovery.source == DiscoverySource::Static && self.backends.is_empty() {
             return Err(ConfigError::invalid(
                 "backends",
                 "no backends configured: add [[backends]] url = \"http://host:port\" or pass --backend",
             ));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            let (scheme, _) = crate::endpoints::parse_base_url(&b.url)
-                .map_err(|m| ConfigError::invalid(format!("backends[{i}].url"), m))?;
-            if b.ca_file.is_some() && scheme != http::uri::Scheme::HTTPS {
-                return Err(ConfigError::invalid(
-                    format!("backends[{i}].ca_file"),
-                    "set on a backend whose URL is not https://",
-                ));
-            }
+            b.validate(i)?;
             crate::kv_events::Source::from_backend(b, &self.kv_events)
                 .map_err(|m| ConfigError::invalid(format!("backends[{i}].kv_events"), m))?;
             if self.engine(&b.engine).is_none() {
@@ -857,119 +181,12 @@ impl Config {
                 "must be greater than 0",
             ));
         }
-        if self.outlier_detection.max_ejection_percent > 100 {
-            return Err(ConfigError::invalid(
-                "outlier_detection.max_ejection_percent",
-                "must be within 0..100",
-            ));
-        }
-        let p = &self.poller;
-        for (field, v) in [
-            ("poller.interval_ms", p.interval_ms),
-            ("poller.timeout_ms", p.timeout_ms),
-            ("poller.stale_after_ms", p.stale_after_ms),
-            ("poller.models_interval_ms", p.models_interval_ms),
-        ] {
-            if v == 0 {
-                return Err(ConfigError::invalid(field, "must be greater than 0"));
-            }
-        }
-        if p.unhealthy_after == 0 || p.healthy_after == 0 {
-            return Err(ConfigError::invalid(
-                "poller",
-                "unhealthy_after and healthy_after must be at least 1",
-            ));
-        }
-        if !(1_000..=60_000).contains(&self.forward.retry_budget_window_ms) {
-            return Err(ConfigError::invalid(
-                "forward.retry_budget_window_ms",
-                "must be within 1000..60000",
-            ));
-        }
-        if self.forward.retry_budget_min_per_sec > 1_000_000 {
-            return Err(ConfigError::invalid(
-                "forward.retry_budget_min_per_sec",
-                "must be at most 1000000",
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.forward.retry_budget_ratio) {
-            return Err(ConfigError::invalid(
-                "forward.retry_budget_ratio",
-                "must be within 0..1",
-            ));
-        }
-        if !(self.auth.requests_per_second >= 0.0 && self.auth.requests_per_second.is_finite()) {
-            return Err(ConfigError::invalid(
-                "auth.requests_per_second",
-                "must be a number ≥ 0",
-            ));
-        }
-        let rps = self.auth.requests_per_second;
-        if rps > 0.0 && rps < crate::front_door::auth::MIN_REQUESTS_PER_SECOND {
-            return Err(ConfigError::invalid(
-                "auth.requests_per_second",
-                "must be 0 (no limit) or at least one request per day (1/86400)",
-            ));
-        }
-        if !(self.auth.burst >= 0.0 && self.auth.burst <= crate::front_door::auth::MAX_BURST) {
-            return Err(ConfigError::invalid(
-                "auth.burst",
-                "must be a number within 0..=100000",
-            ));
-        }
-        for (field, v) in [
-            (
-                "server.header_read_timeout_ms",
-                self.server.header_read_timeout_ms,
-            ),
-            (
-                "server.body_read_timeout_ms",
-                self.server.body_read_timeout_ms,
-            ),
-            (
-                "forward.connect_timeout_ms",
-                self.forward.connect_timeout_ms,
-            ),
-            (
-                "forward.response_timeout_ms",
-                self.forward.response_timeout_ms,
-            ),
-            (
-                "forward.stream_idle_timeout_ms",
-                self.forward.stream_idle_timeout_ms,
-            ),
-        ] {
-            if v == 0 {
-                return Err(ConfigError::invalid(field, "must be greater than 0"));
-            }
-        }
-        if self.server.max_header_bytes < crate::front_door::serve::MIN_HEADER_BYTES {
-            return Err(ConfigError::invalid(
-                "server.max_header_bytes",
-                format!(
-                    "must be at least {}",
-                    crate::front_door::serve::MIN_HEADER_BYTES
-                ),
-            ));
-        }
-        if !(1..=crate::prompt::MAX_MESSAGES_CEILING).contains(&self.limits.max_messages) {
-            return Err(ConfigError::invalid(
-                "limits.max_messages",
-                format!("must be within 1..={}", crate::prompt::MAX_MESSAGES_CEILING),
-            ));
-        }
-        if self.server.max_json_depth == 0 {
-            return Err(ConfigError::invalid(
-                "server.max_json_depth",
-                "must be at least 1",
-            ));
-        }
-        if self.forward.max_attempts == 0 {
-            return Err(ConfigError::invalid(
-                "forward.max_attempts",
-                "must be at least 1",
-            ));
-        }
+        self.outlier_detection.validate()?;
+        self.poller.validate()?;
+        self.forward.validate()?;
+        self.auth.validate()?;
+        self.server.validate()?;
+        self.limits.validate()?;
         for (field, value) in [
             ("backend_header", &self.backend_header),
             ("session_header", &self.session_header),
@@ -988,6 +205,23 @@ impl Config {
             .get(name)
             .cloned()
             .or_else(|| EngineMetricNames::builtin(name))
+    }
+}
+
+impl crate::endpoints::Pool {
+    /// The pool of a whole configuration (composition, so it is built here): the poller's
+    /// staleness, `[engines]`, `forward.ca_file`, and the static `[[backends]]` unless another
+    /// discovery source will fill it.
+    pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
+        let pool = Self::new(
+            config.poller.stale_after(),
+            config.engines.clone(),
+            config.forward.ca_file.clone(),
+        );
+        if config.discovery.source == DiscoverySource::Static {
+            pool.add_static(&config.backends)?;
+        }
+        Ok(pool)
     }
 }
 
@@ -1014,36 +248,6 @@ mod tests {
         let err =
             Config::from_toml("[[backends]]\nurl = \"http://a:1\"\nweight = 2\n", "t").unwrap_err();
         assert!(err.to_string().contains("weight"), "{err}");
-    }
-
-    #[test]
-    fn invalid_backend_url_is_named() {
-        for url in [
-            "not a url",
-            "ftp://x:1",
-            "http://",
-            "http://h:1/path",
-            "http://h:99999",
-            "https://user:pw@h:1",
-        ] {
-            let c = Config::from_toml(&format!("[[backends]]\nurl = \"{url}\"\n"), "t").unwrap();
-            let err = c.validate().unwrap_err().to_string();
-            assert!(err.contains("backends[0].url"), "{url}: {err}");
-        }
-    }
-
-    #[test]
-    fn https_backends_are_accepted_and_ca_file_needs_https() {
-        let c =
-            Config::from_toml("[[backends]]\nurl = \"https://vllm.example:8443\"\n", "t").unwrap();
-        c.validate().unwrap();
-        let c = Config::from_toml(
-            "[[backends]]\nurl = \"http://h:1\"\nca_file = \"/etc/ca.pem\"\n",
-            "t",
-        )
-        .unwrap();
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("backends[0].ca_file"), "{err}");
     }
 
     #[test]
@@ -1074,83 +278,29 @@ mod tests {
         );
     }
 
+    /// Each section's `validate` is run, and its error names the field's full path.
     #[test]
-    fn discovery_shorthands() {
-        let mut d = DiscoveryConfig::default();
-        d.apply_shorthand("file:/etc/inferlb/backends.json")
-            .unwrap();
-        assert_eq!(d.source, DiscoverySource::File);
-        assert_eq!(
-            d.file.path.as_deref(),
-            Some(std::path::Path::new("/etc/inferlb/backends.json"))
-        );
-        d.apply_shorthand("dns:vllm.prod.svc:8000").unwrap();
-        assert_eq!(
-            (d.source, d.dns.name.as_deref(), d.dns.port),
-            (DiscoverySource::Dns, Some("vllm.prod.svc"), 8000)
-        );
-        d.apply_shorthand("k8s:prod/app=vllm,tier=gpu:http")
-            .unwrap();
-        assert_eq!(d.source, DiscoverySource::Kubernetes);
-        assert_eq!(d.kubernetes.namespace, "prod");
-        assert_eq!(
-            d.kubernetes.label_selector.as_deref(),
-            Some("app=vllm,tier=gpu")
-        );
-        assert_eq!(d.kubernetes.port, PortRef::Name("http".into()));
-        d.apply_shorthand("k8s:prod/app=vllm:8000").unwrap();
-        assert_eq!(d.kubernetes.port, PortRef::Number(8000));
-        d.apply_shorthand("k8s-pool:prod/my-pool").unwrap();
-        assert_eq!(d.kubernetes.inference_pool.as_deref(), Some("my-pool"));
-        assert_eq!(d.kubernetes.label_selector, None);
-        for bad in [
-            "file:",
-            "dns:host",
-            "dns:host:x",
-            "k8s:noslash:1",
-            "k8s:ns/sel:",
-            "nope:x",
-            "x",
-        ] {
-            assert!(d.apply_shorthand(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn priority_classes_are_checked_and_named() {
+    fn every_section_is_validated_and_named() {
         let base = "[[backends]]\nurl = \"http://h:1\"\n";
-        let c = Config::from_toml(base, "t").unwrap();
-        c.validate().unwrap();
-        assert_eq!(c.priority.index("interactive"), Some(0));
-        assert_eq!(c.priority.index("batch"), Some(2));
+        Config::from_toml(base, "t").unwrap().validate().unwrap();
         for (extra, field) in [
-            ("[priority]\nclasses = []\n", "priority.classes"),
+            ("[admin]\ndecisions = 10001\n", "admin.decisions"),
+            ("[discovery]\nsource = \"dns\"\n", "discovery.dns.name"),
+            ("[kv_events]\nquiet_ms = 0\n", "kv_events.quiet_ms"),
             (
-                "[priority]\nclasses = [\"a\", \"a\"]\ndefault_class = \"a\"\nmax_class = \"a\"\n",
-                "priority.classes[1]",
+                "[outlier_detection]\nmax_ejection_percent = 101\n",
+                "outlier_detection.max_ejection_percent",
             ),
+            ("[poller]\ntimeout_ms = 0\n", "poller.timeout_ms"),
+            ("[forward]\nmax_attempts = 0\n", "forward.max_attempts"),
+            ("[auth]\nburst = -1.0\n", "auth.burst"),
             (
-                "[priority]\nclasses = [\"Has Space\"]\n",
-                "priority.classes[0]",
+                "[server]\nmax_header_bytes = 100\n",
+                "server.max_header_bytes",
             ),
-            (
-                "[priority]\ndefault_class = \"gold\"\n",
-                "priority.default_class",
-            ),
+            ("[limits]\nmax_messages = 0\n", "limits.max_messages"),
             ("[priority]\nmax_class = \"gold\"\n", "priority.max_class"),
-            (
-                "[priority.queue_timeout_ms]\ngold = 5\n",
-                "priority.queue_timeout_ms.gold",
-            ),
-            (
-                "[priority.queue_timeout_ms]\nbatch = 0\n",
-                "priority.queue_timeout_ms.batch",
-            ),
-            (
-                "[[priority.keys]]\nkey = \"k\"\nmax_class = \"gold\"\n",
-                "priority.keys[0].max_class",
-            ),
-            ("[priority]\nheader = \"bad header\"\n", "priority.header"),
+            ("max_body_bytes = 0\n", "max_body_bytes"),
             ("session_header = \"bad header\"\n", "session_header"),
         ] {
             let text = if extra.starts_with('[') {
@@ -1161,12 +311,12 @@ mod tests {
             let err = Config::from_toml(&text, "t")
                 .unwrap()
                 .validate()
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(field), "{extra}: {err}");
+                .unwrap_err();
+            assert!(
+                err.to_string().contains(&format!("`{field}`")),
+                "{extra}: {err}"
+            );
         }
-        let err = Config::from_toml("[priority]\nlevels = 3\n", "t").unwrap_err();
-        assert!(err.to_string().contains("levels"), "{err}");
     }
 
     #[test]
@@ -1187,92 +337,50 @@ mod tests {
 #[cfg(test)]
 mod shipped {
     #![allow(clippy::unwrap_used)]
+    use super::{BackendConfig, Config};
 
     #[test]
     fn shipped_config_toml_is_valid_and_matches_defaults() {
         let text = include_str!("../config.toml");
-        let c = super::Config::from_toml(text, "config.toml").unwrap();
+        let c = Config::from_toml(text, "config.toml").unwrap();
         c.validate().unwrap();
         crate::scheduling::profile::build_active(&c).unwrap();
-        let d = super::Config::default();
+        let d = Config::default();
         assert_eq!(c.listen, d.listen);
         assert_eq!(c.max_body_bytes, d.max_body_bytes);
-        assert_eq!(c.poller.interval_ms, d.poller.interval_ms);
-        assert_eq!(c.poller.timeout_ms, d.poller.timeout_ms);
-        assert_eq!(c.poller.stale_after_ms, d.poller.stale_after_ms);
-        assert_eq!(c.poller.models_interval_ms, d.poller.models_interval_ms);
-        assert_eq!(c.poller.unhealthy_after, d.poller.unhealthy_after);
-        assert_eq!(c.poller.healthy_after, d.poller.healthy_after);
-        assert_eq!(c.poller.filter_metrics, d.poller.filter_metrics);
-        assert_eq!(c.forward.connect_timeout_ms, d.forward.connect_timeout_ms);
-        assert_eq!(c.forward.response_timeout_ms, d.forward.response_timeout_ms);
-        assert_eq!(c.forward.max_attempts, d.forward.max_attempts);
-        assert_eq!(
-            c.forward.pool_max_idle_per_backend,
-            d.forward.pool_max_idle_per_backend
-        );
-        assert_eq!(
-            c.forward.pool_idle_timeout_ms,
-            d.forward.pool_idle_timeout_ms
-        );
-        assert_eq!(
-            c.forward.forward_client_authorization,
-            d.forward.forward_client_authorization
-        );
         assert_eq!(c.backend_header, d.backend_header);
         assert_eq!(c.session_header, d.session_header);
         assert_eq!(c.session_from_user, d.session_from_user);
+        assert_eq!(c.server, d.server);
+        assert_eq!(c.poller, d.poller);
+        assert_eq!(c.forward, d.forward);
+        assert_eq!(c.limits, d.limits);
+        assert_eq!(c.outlier_detection, d.outlier_detection);
+        assert_eq!(c.auth, d.auth);
         assert_eq!(c.priority, d.priority);
-        assert_eq!(
-            c.server.header_read_timeout_ms,
-            d.server.header_read_timeout_ms
-        );
-        assert_eq!(c.server.body_read_timeout_ms, d.server.body_read_timeout_ms);
-        assert_eq!(c.server.shutdown_timeout_ms, d.server.shutdown_timeout_ms);
-        assert_eq!(c.server.max_json_depth, d.server.max_json_depth);
-        assert_eq!(c.server.max_header_bytes, d.server.max_header_bytes);
-        assert_eq!(c.limits.max_connections, d.limits.max_connections);
-        assert_eq!(c.limits.max_messages, d.limits.max_messages);
-        assert_eq!(
-            c.forward.stream_idle_timeout_ms,
-            d.forward.stream_idle_timeout_ms
-        );
-        assert_eq!(c.forward.request_timeout_ms, d.forward.request_timeout_ms);
-        assert_eq!(c.forward.retry_on_status, d.forward.retry_on_status);
-        assert_eq!(c.forward.retry_budget_ratio, d.forward.retry_budget_ratio);
-        assert_eq!(
-            c.forward.retry_budget_min_per_sec,
-            d.forward.retry_budget_min_per_sec
-        );
-        assert_eq!(
-            c.forward.retry_budget_window_ms,
-            d.forward.retry_budget_window_ms
-        );
-        assert_eq!(c.forward.backoff_base_ms, d.forward.backoff_base_ms);
-        assert_eq!(c.forward.backoff_max_ms, d.forward.backoff_max_ms);
-        assert_eq!(c.forward.ca_file, d.forward.ca_file);
-        assert_eq!(c.limits.max_inflight, d.limits.max_inflight);
-        assert_eq!(
-            c.limits.max_inflight_per_backend,
-            d.limits.max_inflight_per_backend
-        );
-        assert_eq!(c.limits.max_queued, d.limits.max_queued);
-        assert_eq!(c.limits.queue_timeout_ms, d.limits.queue_timeout_ms);
-        assert_eq!(
-            c.outlier_detection.consecutive_failures,
-            d.outlier_detection.consecutive_failures
-        );
-        assert_eq!(
-            c.outlier_detection.base_ejection_ms,
-            d.outlier_detection.base_ejection_ms
-        );
-        assert_eq!(
-            c.outlier_detection.max_ejection_ms,
-            d.outlier_detection.max_ejection_ms
-        );
-        assert_eq!(c.auth.api_keys, d.auth.api_keys);
-        assert_eq!(c.auth.requests_per_second, d.auth.requests_per_second);
-        assert_eq!(c.auth.burst, d.auth.burst);
-        assert_eq!(c.auth.max_concurrent_per_key, d.auth.max_concurrent_per_key);
+    }
+
+    /// Every policy `loadgen compare` runs (`bench/policies/*.toml`, fragments that loadgen
+    /// completes with the backends) loads, validates and builds its active profile.
+    #[test]
+    fn bench_policies_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/policies");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "toml") {
+                continue;
+            }
+            let mut c = Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            c.backends = vec![BackendConfig::from_url("http://127.0.0.1:9")];
+            let built = c
+                .validate()
+                .and_then(|()| crate::scheduling::profile::build_active(&c));
+            if let Err(e) = built {
+                panic!("{}: {e}", path.display());
+            }
+            seen += 1;
+        }
+        assert!(seen >= 20, "only {seen} policies under {}", dir.display());
     }
 }

@@ -32,11 +32,15 @@
 //!   the token blocks it truly holds, read by the prefix scorer (precise prefix routing).
 //! * [`workers`] — the request threads: one single-threaded runtime per core, each accepting
 //!   on a `SO_REUSEPORT` socket of its own and keeping its own backend connections.
-//! * [`config`] — the TOML configuration, its defaults and validation.
+//! * [`config`] — the TOML configuration: composes the section each module owns (its struct,
+//!   defaults and `validate`, e.g. `forward::config`, `discovery::config`, `front_door::serve`),
+//!   loads the file and the flags' overrides, and reports errors by the field's path as a
+//!   [`config_error::ConfigError`] (a leaf module, so sections need not import `config`).
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
 pub mod background;
 pub mod config;
+pub mod config_error;
 pub mod discovery;
 pub mod endpoints;
 pub mod error;
@@ -57,7 +61,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use config::{Config, ConfigError};
+use config::Config;
+use config_error::ConfigError;
 use endpoints::poller::Poller;
 use endpoints::Pool;
 use forward::Forwarder;
@@ -155,7 +160,7 @@ pub async fn run_reloadable(
             forwarder.forget(backend);
         }));
     }
-    if let Some(source) = discovery::from_config(&config)? {
+    if let Some(source) = discovery::from_config(&config.discovery)? {
         tokio::spawn(discovery::run(source, Arc::clone(&pool), stop_rx.clone()));
     }
     let layer = SchedulerLayer::new(

@@ -16,7 +16,11 @@
 
 use std::sync::Arc;
 
-use crate::config::{Config, ConfigError, DiscoverySource};
+use crate::config::Config;
+
+use crate::discovery::DiscoverySource;
+
+use crate::config_error::ConfigError;
 use crate::discovery::DesiredBackend;
 use crate::forward::Forwarder;
 use crate::front_door::auth::Auth;

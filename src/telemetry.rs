@@ -3,6 +3,8 @@
 //! Metric names live here as constants so the README's metrics reference can be checked
 //! against one list. The recorder is process-global (the `metrics` facade is), so it is
 //! installed once and every router in the process — tests start several — shares it.
+//!
+//! It owns the `log_format` key ([`LogFormat`]).
 
 use std::sync::OnceLock;
 
@@ -10,8 +12,6 @@ use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
-
-use crate::config::LogFormat;
 
 pub mod handles;
 pub mod line;
@@ -180,6 +180,15 @@ pub fn init_logging(format: LogFormat, filter: &str) {
             LogFormat::Text => line::Style::Text,
         });
     }
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 #[cfg(test)]

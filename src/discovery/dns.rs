@@ -8,7 +8,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendDefaults, ConfigError, DnsDiscoveryConfig};
+use crate::config_error::ConfigError;
+use crate::discovery::{BackendDefaults, DnsDiscoveryConfig};
 
 pub struct DnsDiscovery {
     name: String,

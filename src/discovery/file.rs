@@ -11,7 +11,9 @@ use std::time::{Duration, SystemTime};
 use serde::Deserialize;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendConfig, BackendDefaults, ConfigError, FileDiscoveryConfig};
+use crate::config_error::ConfigError;
+use crate::discovery::{BackendDefaults, FileDiscoveryConfig};
+use crate::endpoints::BackendConfig;
 
 /// Largest backend file read.
 const MAX_FILE_BYTES: u64 = 16 << 20;

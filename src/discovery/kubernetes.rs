@@ -30,7 +30,8 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
-use crate::config::{BackendDefaults, ConfigError, KubernetesDiscoveryConfig, PortRef};
+use crate::config_error::ConfigError;
+use crate::discovery::{BackendDefaults, KubernetesDiscoveryConfig, PortRef};
 
 const SOURCE: &str = "kubernetes";
 

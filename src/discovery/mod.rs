@@ -22,7 +22,8 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::config::BackendConfig;
+use crate::config_error::ConfigError;
+use crate::endpoints::BackendConfig;
 use crate::endpoints::Pool;
 use crate::telemetry as t;
 
@@ -100,11 +101,8 @@ pub async fn run(mut source: Box<dyn Discovery>, pool: Arc<Pool>, mut stop: watc
 
 /// The source `config` asks for, or `None` for `static` (the pool already holds the
 /// `[[backends]]`, and only a reload changes them).
-pub fn from_config(
-    config: &crate::config::Config,
-) -> Result<Option<Box<dyn Discovery>>, crate::config::ConfigError> {
-    use crate::config::DiscoverySource;
-    let d = &config.discovery;
+pub fn from_config(config: &DiscoveryConfig) -> Result<Option<Box<dyn Discovery>>, ConfigError> {
+    let d = config;
     Ok(match d.source {
         DiscoverySource::Static => None,
         DiscoverySource::File => Some(Box::new(file::FileDiscovery::new(
@@ -122,6 +120,12 @@ pub fn from_config(
     })
 }
 
+pub mod config;
 pub mod dns;
 pub mod file;
 pub mod kubernetes;
+
+pub use config::{
+    BackendDefaults, DiscoveryConfig, DiscoverySource, DnsDiscoveryConfig, FileDiscoveryConfig,
+    KubernetesDiscoveryConfig, PortRef,
+};

@@ -24,7 +24,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::oneshot;
 
 use super::Backend;
-use crate::config::MAX_PRIORITY_CLASSES;
+
+/// The most priority classes a config may define (each is a metric label value):
+/// the capacity queue keeps one waiting count per class.
+pub const MAX_PRIORITY_CLASSES: usize = 8;
 
 /// One reserved unit of a backend's in-flight count; freed on drop.
 #[derive(Debug)]
@@ -115,7 +118,7 @@ pub enum Outcome {
 /// Who a request is, for the queue: its class and its tenant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Rank {
-    /// 0 = highest; at most [`crate::config::MAX_PRIORITY_CLASSES`] − 1 (clamped).
+    /// 0 = highest; at most [`MAX_PRIORITY_CLASSES`] − 1 (clamped).
     pub class: u8,
     pub tenant: u64,
 }

@@ -216,7 +216,7 @@ pub fn labels_json(labels: &BTreeMap<String, String>) -> serde_json::Value {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::config::{BackendConfig, Config};
+    use crate::endpoints::BackendConfig;
 
     fn desired(urls: &[&str]) -> Vec<DesiredBackend> {
         urls.iter()
@@ -225,9 +225,7 @@ mod tests {
     }
 
     fn pool() -> Pool {
-        let mut c = Config::default();
-        c.discovery.source = crate::config::DiscoverySource::File;
-        Pool::from_config(&c).unwrap()
+        Pool::new(std::time::Duration::from_secs(1), Default::default(), None)
     }
 
     fn ids(p: &Pool) -> Vec<(String, usize)> {

@@ -7,6 +7,7 @@
 //! and is the one signal that is fresh between two polls.
 
 pub mod capacity;
+pub mod config;
 pub mod engine;
 pub mod membership;
 pub mod passive;
@@ -14,12 +15,13 @@ pub mod poller;
 pub mod prometheus;
 pub mod sent_work;
 
+pub use config::{BackendConfig, OutlierConfig, PollerConfig};
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::config::OutlierConfig;
 use crate::telemetry as t;
 use capacity::Waiters;
 use passive::Admission;
@@ -28,7 +30,7 @@ use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
 use http::HeaderValue;
 
-use crate::config::{BackendConfig, Config, ConfigError};
+use crate::config_error::ConfigError;
 use crate::forward::pool::Connector;
 use crate::forward::tls::ClientConfigs;
 use engine::{EngineMetricNames, LoadMetrics};
@@ -369,45 +371,51 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// A pool holding the config's static backends (an empty one when another discovery
-    /// source will fill it).
-    pub fn from_config(config: &Config) -> Result<Self, ConfigError> {
-        let pool = Pool {
+    /// An empty pool: metrics older than `stale_after` count as unknown, `engines` are the
+    /// configured metric name sets beside the built-in ones, `ca_file` the default TLS roots
+    /// (`forward.ca_file`). `Pool::from_config` (in `config.rs`) builds it from a whole
+    /// configuration.
+    pub fn new(
+        stale_after: Duration,
+        engines: BTreeMap<String, EngineMetricNames>,
+        ca_file: Option<std::path::PathBuf>,
+    ) -> Self {
+        Pool {
             members: ArcSwap::from_pointee(Vec::new()),
-            stale_after: config.poller.stale_after(),
+            stale_after,
             waiters: Arc::new(Waiters::default()),
-            engines: config.engines.clone(),
+            engines,
             slots: Arc::new(membership::SlotIds::default()),
             generation: tokio::sync::watch::channel(0).0,
             hooks: Mutex::new(Vec::new()),
             reconciling: Mutex::new(()),
-            tls: Mutex::new(ClientConfigs::new(config.forward.ca_file.clone())),
-        };
-        if config.discovery.source == crate::config::DiscoverySource::Static {
-            // Static backends are configuration: a bad one is an error naming its field (a
-            // discovered one is skipped with a warning instead).
-            for (i, b) in config.backends.iter().enumerate() {
-                let engine = pool.engine(&b.engine).ok_or_else(|| {
-                    ConfigError::invalid(
-                        format!("backends[{i}].engine"),
-                        format!("unknown engine `{}`", b.engine),
-                    )
-                })?;
-                let mut tls = pool
-                    .tls
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                Backend::new(i, b, engine, Arc::clone(&pool.waiters), &mut tls)?;
-            }
-            let desired = config
-                .backends
-                .iter()
-                .cloned()
-                .map(crate::discovery::DesiredBackend::new)
-                .collect();
-            pool.reconcile("static", desired);
+            tls: Mutex::new(ClientConfigs::new(ca_file)),
         }
-        Ok(pool)
+    }
+
+    /// Put the static `[[backends]]` in the pool. They are configuration: a bad one is an error
+    /// naming its field (a discovered one is skipped with a warning instead).
+    pub fn add_static(&self, backends: &[BackendConfig]) -> Result<(), ConfigError> {
+        for (i, b) in backends.iter().enumerate() {
+            let engine = self.engine(&b.engine).ok_or_else(|| {
+                ConfigError::invalid(
+                    format!("backends[{i}].engine"),
+                    format!("unknown engine `{}`", b.engine),
+                )
+            })?;
+            let mut tls = self
+                .tls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            Backend::new(i, b, engine, Arc::clone(&self.waiters), &mut tls)?;
+        }
+        let desired = backends
+            .iter()
+            .cloned()
+            .map(crate::discovery::DesiredBackend::new)
+            .collect();
+        self.reconcile("static", desired);
+        Ok(())
     }
 
     fn engine(&self, name: &str) -> Option<EngineMetricNames> {

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::OutlierConfig;
+use crate::endpoints::OutlierConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {

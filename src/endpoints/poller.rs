@@ -20,7 +20,7 @@ use tokio::time::sleep_until;
 
 use super::engine::{extract, LoadMetrics};
 use super::{Backend, BackendState, ModelEntry, Pool};
-use crate::config::PollerConfig;
+use crate::endpoints::PollerConfig;
 use crate::forward::pool::{self, Conn};
 use crate::telemetry as t;
 

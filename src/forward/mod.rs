@@ -7,9 +7,12 @@
 //! scheduler wraps it as a `Layer` and retries connection failures on another backend.
 
 pub mod body;
+pub mod config;
 pub mod headers;
 pub mod pool;
 pub mod tls;
+
+pub use config::ForwardConfig;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,7 +25,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::Full;
 
-use crate::config::{ForwardConfig, OutlierConfig};
+use crate::endpoints::OutlierConfig;
 use crate::endpoints::{Backend, Pool};
 use crate::error::Error;
 use crate::prompt::RequestView;

@@ -17,6 +17,8 @@
 //! 10 idle minutes), each entry holding its own direct `governor` limiter. governor's keyed
 //! limiter would keep every key ever seen in its map until `retain_recent` is called; a flood of
 //! client addresses must not grow the router's memory.
+//!
+//! It owns the `[auth]` section ([`AuthConfig`]: its defaults and checks).
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
@@ -31,10 +33,13 @@ use axum::response::{IntoResponse, Response};
 use governor::clock::Clock as _;
 use governor::{DefaultDirectRateLimiter, Quota};
 use http::header::AUTHORIZATION;
+use serde::Deserialize;
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
-use crate::config::{AuthConfig, ConfigError, PriorityConfig};
+use crate::scheduling::priority::PriorityConfig;
+
+use crate::config_error::ConfigError;
 use crate::error::Error;
 use crate::scheduling::admission::hold;
 use crate::scheduling::priority::ClassRule;
@@ -315,6 +320,51 @@ pub async fn admin_gate(
         }
     }
     next.run(req).await
+}
+
+/// `[auth]`: client authentication and per-key rate limits.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Accepted bearer tokens. Authentication is on when any key is configured.
+    pub api_keys: Vec<String>,
+    /// A file with one key per line (`#` comments allowed).
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Name of an environment variable holding comma-separated keys.
+    pub api_keys_env: Option<String>,
+    /// Bearer token required on `/metrics` and `/admin/*` (unset = open).
+    pub admin_token: Option<String>,
+    /// Sustained requests per second per key (0 = unlimited).
+    pub requests_per_second: f64,
+    /// Burst size per key (0 = same as `requests_per_second`, at least 1).
+    pub burst: f64,
+    /// Requests in flight per key (0 = unlimited).
+    pub max_concurrent_per_key: usize,
+}
+
+impl AuthConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let rps = self.requests_per_second;
+        if !(rps >= 0.0 && rps.is_finite()) {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be a number ≥ 0",
+            ));
+        }
+        if rps > 0.0 && rps < MIN_REQUESTS_PER_SECOND {
+            return Err(ConfigError::invalid(
+                "auth.requests_per_second",
+                "must be 0 (no limit) or at least one request per day (1/86400)",
+            ));
+        }
+        if !(self.burst >= 0.0 && self.burst <= MAX_BURST) {
+            return Err(ConfigError::invalid(
+                "auth.burst",
+                "must be a number within 0..=100000",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

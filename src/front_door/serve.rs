@@ -10,6 +10,8 @@
 //! A connection beyond the cap is accepted and closed at once. Leaving it in the kernel's
 //! backlog instead would make the client wait for a connect timeout, and the backlog would
 //! still fill; closing tells it right away to go elsewhere or retry.
+//!
+//! It owns the `[server]` section ([`ServerConfig`]: its defaults and checks).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,10 +25,12 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
+use crate::config_error::ConfigError;
 use crate::telemetry as t;
 
 /// Connection-level settings.
@@ -147,5 +151,63 @@ pub async fn serve_with(
             tracing::warn!("drain deadline passed; closing remaining connections");
             false
         }
+    }
+}
+
+/// `[server]`: the front door's connection handling.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// A client must send its request headers within this time.
+    pub header_read_timeout_ms: u64,
+    /// A client must send its whole request body within this time (408 otherwise).
+    pub body_read_timeout_ms: u64,
+    /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
+    pub shutdown_timeout_ms: u64,
+    /// Deepest JSON nesting accepted in a request body (400 above it).
+    pub max_json_depth: usize,
+    /// Largest request line plus headers, in bytes (431 above it); at least 8192.
+    pub max_header_bytes: usize,
+    /// Request worker threads: `"auto"` (one per core), a number, or `"shared"` (one
+    /// work-stealing runtime); see [`crate::workers`]. Read at start-up only.
+    pub workers: crate::workers::Workers,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            shutdown_timeout_ms: 30_000,
+            max_json_depth: 64,
+            max_header_bytes: 65_536,
+            workers: crate::workers::Workers::Auto,
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (field, v) in [
+            ("server.header_read_timeout_ms", self.header_read_timeout_ms),
+            ("server.body_read_timeout_ms", self.body_read_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::invalid(field, "must be greater than 0"));
+            }
+        }
+        if self.max_header_bytes < MIN_HEADER_BYTES {
+            return Err(ConfigError::invalid(
+                "server.max_header_bytes",
+                format!("must be at least {MIN_HEADER_BYTES}"),
+            ));
+        }
+        if self.max_json_depth == 0 {
+            return Err(ConfigError::invalid(
+                "server.max_json_depth",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
     }
 }

@@ -5,6 +5,8 @@
 //! itself holds no data, so it is served without the admin token; its script sends the token
 //! (taken from the URL fragment, `/admin#token=…`, which browsers never send to the server)
 //! with the JSON requests, which stay behind `auth.admin_token`.
+//!
+//! It owns the `[admin]` section ([`AdminConfig`]: its defaults and checks).
 
 use std::sync::Arc;
 
@@ -13,6 +15,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+
+use crate::config_error::ConfigError;
 
 use super::AppState;
 
@@ -56,4 +60,35 @@ pub async fn decisions(
         "decisions": recent.iter().map(|r| &**r).collect::<Vec<_>>(),
     }))
     .into_response()
+}
+
+/// `[admin]`: what `/admin`, `/admin/decisions` and `x-inferlb-explain` keep and show.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Recent scheduling decisions kept (a ring; 0 = none). Recorded only while someone reads
+    /// them (for 10 minutes after each read of `/admin/decisions`), unless `decisions_always`.
+    pub decisions: usize,
+    pub decisions_always: bool,
+    /// Honour `x-inferlb-explain: 1` from every client (admin-token holders always may).
+    pub explain: bool,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            decisions: 64,
+            decisions_always: false,
+            explain: false,
+        }
+    }
+}
+
+impl AdminConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.decisions > 10_000 {
+            return Err(ConfigError::invalid("admin.decisions", "at most 10000"));
+        }
+        Ok(())
+    }
 }

@@ -30,7 +30,9 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::config::{BackendConfig, ConfigError};
+use crate::endpoints::BackendConfig;
+
+use crate::config_error::ConfigError;
 use crate::endpoints::Backend;
 
 /// Whether any of `backends` has a `live` stream at `now` ([`store::now_ms`]): only then can

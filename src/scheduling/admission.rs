@@ -1,5 +1,7 @@
 //! Admission control: the router-wide in-flight limit with its bounded FIFO queue, the retry
 //! budget, and a body wrapper that holds a permit until the response ends.
+//!
+//! It owns the `[limits]` section ([`LimitsConfig`]: its defaults and checks).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,11 +13,14 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::Response;
 use http_body::{Frame, SizeHint};
+use serde::Deserialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 
+use crate::config_error::ConfigError;
 use crate::error::Error;
+use crate::prompt::MAX_MESSAGES_CEILING;
 use crate::telemetry as t;
 
 /// Counts requests waiting for capacity, so the queue stays bounded.
@@ -169,6 +174,50 @@ impl<T: Send + Unpin + 'static> http_body::Body for Holding<T> {
 /// Keep `held` (a permit, a guard) until `response`'s body ends.
 pub fn hold<T: Send + Sync + Unpin + 'static>(response: Response<Body>, held: T) -> Response<Body> {
     response.map(|inner| Body::new(Holding { inner, _held: held }))
+}
+
+/// `[limits]`: concurrency limits and the router-side queue.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Requests in flight through the router at once (0 = no limit).
+    pub max_inflight: usize,
+    /// Requests in flight to one backend at once (0 = no limit).
+    pub max_inflight_per_backend: u64,
+    /// Requests allowed to wait for capacity; more get 429 at once.
+    pub max_queued: usize,
+    /// How long a request may wait for capacity before 429.
+    pub queue_timeout_ms: u64,
+    /// Client connections open at once on each listener (0 = no limit); more are closed on
+    /// arrival.
+    pub max_connections: usize,
+    /// Most messages in one chat request (400 above it); at most 100000.
+    pub max_messages: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_inflight: 0,
+            max_inflight_per_backend: 0,
+            max_queued: 1024,
+            queue_timeout_ms: 10_000,
+            max_connections: 10_000,
+            max_messages: 10_000,
+        }
+    }
+}
+
+impl LimitsConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=MAX_MESSAGES_CEILING).contains(&self.max_messages) {
+            return Err(ConfigError::invalid(
+                "limits.max_messages",
+                format!("must be within 1..={MAX_MESSAGES_CEILING}"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -28,11 +28,14 @@ use tower::{Layer, Service, ServiceExt};
 use super::admission::{acquire, hold, Queue, RetryBudget};
 use super::framework::CycleState;
 use super::{InflightGuard, Refused, Scheduler};
-use crate::config::{ForwardConfig, LimitsConfig, OutlierConfig, PriorityConfig};
 use crate::endpoints::capacity::{Outcome, Rank, Registration};
 use crate::endpoints::Backend;
+use crate::endpoints::OutlierConfig;
 use crate::error::Error;
+use crate::forward::ForwardConfig;
 use crate::forward::{discard, Dispatch, ProxyRequest};
+use crate::scheduling::admission::LimitsConfig;
+use crate::scheduling::priority::PriorityConfig;
 
 /// When and how often to try another backend.
 #[derive(Debug, Clone)]

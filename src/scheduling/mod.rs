@@ -10,6 +10,7 @@
 //!   retries failures elsewhere) and [`InflightGuard`].
 
 pub mod admission;
+pub mod config;
 pub mod framework;
 pub mod layer;
 pub mod plugins;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 #[path = "decisions.rs"]
 pub mod decisions;
 
+use super::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
 use super::framework::{CycleState, Filter, Picker, Plugin, Rejection, Scorer};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
@@ -22,7 +23,8 @@ use super::plugins::scorer::{
     prefix_cache::PrefixCacheScorer,
 };
 use super::registry::{build, PluginInstance};
-use crate::config::{Config, ConfigError, PluginSpec, ProfilePluginRef, ProfileSpec};
+use crate::config::Config;
+use crate::config_error::ConfigError;
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
 

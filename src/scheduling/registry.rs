@@ -18,7 +18,8 @@ use super::plugins::scorer::{
     lora_affinity::LoraAffinityScorer, prefill_cost::PrefillCostScorer,
     prefix_cache::PrefixCacheScorer, queue::QueueScorer, session_affinity::SessionAffinityScorer,
 };
-use crate::config::{ConfigError, PluginSpec};
+use crate::config_error::ConfigError;
+use crate::scheduling::config::PluginSpec;
 
 /// A built plugin, by role.
 #[derive(Clone)]

@@ -13,6 +13,8 @@
 //! the longest prefix seen before ([`prefix_cache`]), cut only where concatenating ids is exact.
 //! A request whose ids cannot be computed (multimodal parts, a template error that vLLM would
 //! answer with a 400) is routed without tokens, as before.
+//!
+//! It owns the `[tokenization]` section ([`TokenizationConfig`]).
 
 pub mod prefix_cache;
 
@@ -24,7 +26,6 @@ use std::time::Instant;
 use hf_tokenize::{ChatRequest, HfTokenizer, TokenizeError};
 use serde::Deserialize;
 
-use crate::config::TokenizationConfig;
 use crate::prompt::{Operation, RequestView};
 use prefix_cache::PrefixCache;
 
@@ -251,6 +252,38 @@ fn cache_salt(body: &[u8]) -> Option<String> {
         .map(|s| s.into_owned())
 }
 
+/// `[tokenization]`: which models get in-process tokenization (chat template + tokenizer).
+///
+/// Per model name, not per backend: a model name stands for one tokenizer (backends that
+/// serve the same name with different tokenizers would not share a prefix cache anyway).
+/// Loaded once at start-up; a reload does not reload tokenizers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizationConfig {
+    /// Model directory (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`)
+    /// for every model without its own entry in `models` (`--tokenizer DIR`).
+    pub dir: Option<std::path::PathBuf>,
+    /// Served model name → model directory.
+    pub models: BTreeMap<String, std::path::PathBuf>,
+    /// Token ids kept by each tokenizer's prefix cache (0 = no cache).
+    pub prefix_cache_tokens: u64,
+    /// Requests whose body is larger are routed without token ids (counted as `too_long`):
+    /// it bounds the work and memory one request's tokenization can take (one pre-token of
+    /// millions of characters costs `tokenizers` hundreds of bytes per token).
+    pub max_body_bytes: usize,
+}
+
+impl Default for TokenizationConfig {
+    fn default() -> Self {
+        TokenizationConfig {
+            dir: None,
+            models: BTreeMap::new(),
+            prefix_cache_tokens: 4_000_000,
+            max_body_bytes: 2 * 1024 * 1024,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -260,7 +293,7 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_rejected_by_name() {
-        let err = toml::from_str::<crate::config::Config>("[tokenization]\ndirr = \"x\"\n")
+        let err = toml::from_str::<TokenizationConfig>("dirr = \"x\"\n")
             .unwrap_err()
             .to_string();
         assert!(err.contains("dirr"), "{err}");

@@ -6,7 +6,7 @@ pub mod scorer;
 
 use serde::de::DeserializeOwned;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 
 /// Deserialise a plugin's own `parameters` table (its struct denies unknown keys).
 pub fn parameters<T: DeserializeOwned>(name: &str, table: &toml::Table) -> Result<T, ConfigError> {

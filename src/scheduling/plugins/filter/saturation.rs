@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{Filter, Plugin};

@@ -43,7 +43,7 @@ use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{CycleState, Plugin, PromptWork, Scorer, Signal};

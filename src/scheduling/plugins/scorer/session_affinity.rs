@@ -31,7 +31,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{CycleState, Plugin, Scorer, Signal};

@@ -96,7 +96,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::kv_events::chain::prompt_chain;
 use crate::kv_events::store::{now_ms, Status};
