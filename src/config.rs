@@ -208,6 +208,21 @@ impl Config {
     }
 }
 
+impl Config {
+    /// What the front door reads per request (its sections and the request-shaping keys).
+    pub fn front_door(&self) -> crate::front_door::Settings {
+        crate::front_door::Settings {
+            server: self.server.clone(),
+            admin: self.admin.clone(),
+            max_body_bytes: self.max_body_bytes,
+            max_messages: self.limits.max_messages,
+            session_header: self.session_header.clone(),
+            session_from_user: self.session_from_user,
+            priority: self.priority.clone(),
+        }
+    }
+}
+
 impl crate::endpoints::Pool {
     /// The pool of a whole configuration (composition, so it is built here): the poller's
     /// staleness, `[engines]`, `forward.ca_file`, and the static `[[backends]]` unless another

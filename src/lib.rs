@@ -174,7 +174,7 @@ pub async fn run_reloadable(
         .layer(layer.clone())
         .service(forwarder.clone());
     let state = Arc::new(AppState {
-        config: arc_swap::ArcSwap::new(Arc::clone(&config)),
+        config: arc_swap::ArcSwap::from_pointee(config.front_door()),
         pool,
         service,
         metrics,
@@ -186,6 +186,7 @@ pub async fn run_reloadable(
         tokenizers: Arc::new(tokenization::Tokenizers::load(&config.tokenization)?),
     });
     let live = reload::Live {
+        config: arc_swap::ArcSwap::new(Arc::clone(&config)),
         state: Arc::clone(&state),
         scheduler,
         layer,

@@ -31,6 +31,8 @@ use crate::telemetry as t;
 
 /// The swappable parts of a running router.
 pub struct Live {
+    /// The whole configuration in effect (what the next reload is compared with).
+    pub config: arc_swap::ArcSwap<Config>,
     pub state: Arc<AppState>,
     pub scheduler: Arc<Scheduler>,
     pub layer: SchedulerLayer,
@@ -57,7 +59,7 @@ impl Live {
 
     fn try_apply(&self, next: Config) -> Result<Vec<String>, ConfigError> {
         next.validate()?;
-        let old = self.state.config.load_full();
+        let old = self.config.load_full();
         let profile = build_active_reusing(&next, Some(&self.scheduler.profile()))?;
         let auth = Auth::with_priorities(&next.auth, &next.priority)?;
         // Everything is valid: swap.
@@ -88,7 +90,8 @@ impl Live {
             }
         }
         let notes = restart_only(&old, &next);
-        self.state.config.store(Arc::new(next));
+        self.state.config.store(Arc::new(next.front_door()));
+        self.config.store(Arc::new(next));
         Ok(notes)
     }
 }

@@ -324,6 +324,21 @@ async fn reload_under_load_and_an_invalid_file_is_refused() {
     })
     .await;
     assert_eq!(chat(&addr, "m", "after reloads").await.0, 200);
+    // The front door's own settings are reloaded too: a body limit lowered in the file refuses
+    // the next request that is over it.
+    let long = "x".repeat(400);
+    assert_eq!(chat(&addr, "m", &long).await.0, 200);
+    let ok_before = reloads(&metrics(&addr).await, "ok");
+    write_atomically(
+        &cfg,
+        &format!("max_body_bytes = 256\n{}", profile_config(&a, &b, 2)),
+    );
+    until_metrics(&addr, "the body limit reloaded", |page| {
+        reloads(page, "ok") > ok_before
+    })
+    .await;
+    assert_eq!(chat(&addr, "m", &long).await.0, 413);
+    assert_eq!(chat(&addr, "m", "short").await.0, 200);
     r.signal("-TERM");
     assert!(r.exit().await.success());
 }

@@ -26,7 +26,6 @@ pub mod auth;
 pub mod serve;
 pub mod status;
 
-use crate::config::Config;
 use crate::endpoints::passive::Status;
 use crate::endpoints::Pool;
 use crate::error::Error;
@@ -37,10 +36,24 @@ use crate::scheduling::profile::decisions::{self, DecisionLog, RequestTrace};
 use crate::scheduling::SchedulerService;
 use crate::telemetry as t;
 
+/// The settings the front door reads per request: its own sections (`[server]`, `[admin]`)
+/// and the request-shaping keys of the file, taken from the configuration by its composer
+/// (`crate::config`), so that this module never names the whole file's type.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    pub server: serve::ServerConfig,
+    pub admin: status::AdminConfig,
+    pub max_body_bytes: usize,
+    pub max_messages: usize,
+    pub session_header: String,
+    pub session_from_user: bool,
+    pub priority: crate::scheduling::priority::PriorityConfig,
+}
+
 /// Everything a handler needs; shared by all requests.
 pub struct AppState {
-    /// The configuration in effect; swapped by a config reload.
-    pub config: ArcSwap<Config>,
+    /// The settings in effect; swapped by a config reload.
+    pub config: ArcSwap<Settings>,
     pub pool: Arc<Pool>,
     pub service: SchedulerService<Forwarder>,
     pub metrics: Option<PrometheusHandle>,
@@ -240,7 +253,7 @@ async fn forward(
         )));
     }
     let limits = crate::prompt::ParseLimits {
-        max_messages: config.limits.max_messages,
+        max_messages: config.max_messages,
     };
     let mut view = match form_boundary {
         Some(boundary) => RequestView::multipart(&body, boundary),
@@ -288,7 +301,7 @@ async fn forward(
 
 /// Fill in the view's session key, tenant and priority class from the headers and the auth
 /// gate's [`auth::Tenant`]; the priority header is for the router and is taken off.
-fn tag(config: &Config, parts: &mut http::request::Parts, view: &mut RequestView) {
+fn tag(config: &Settings, parts: &mut http::request::Parts, view: &mut RequestView) {
     let header = parts
         .headers
         .get(config.session_header.as_str())
