@@ -64,11 +64,14 @@ impl<T: Plugin + ?Sized> Plugin for AsPlugin<T> {
     fn refresh_metrics(&self) {
         self.0.refresh_metrics();
     }
-    fn link_target(&self) -> Option<(&'static str, &str)> {
+    fn link_target(&self) -> Option<super::framework::Link<'_>> {
         self.0.link_target()
     }
     fn link(&self, target: &PluginInstance) -> Result<(), String> {
         self.0.link(target)
+    }
+    fn linked(&self) -> Option<&str> {
+        self.0.linked()
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self.0.as_any()
