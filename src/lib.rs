@@ -33,9 +33,12 @@
 //! * [`workers`] — the request threads: one single-threaded runtime per core, each accepting
 //!   on a `SO_REUSEPORT` socket of its own and keeping its own backend connections.
 //! * [`config`] — the TOML configuration, its defaults and validation.
+//! * [`clock`] — the millisecond clock (monotonic, and wall-clock for labels) every module
+//!   stamps with.
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
 pub mod background;
+pub mod clock;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;

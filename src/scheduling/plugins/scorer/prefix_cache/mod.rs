@@ -97,10 +97,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::clock::now_ms;
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::kv_events::chain::prompt_chain;
-use crate::kv_events::store::{now_ms, Status};
+use crate::kv_events::store::Status;
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};

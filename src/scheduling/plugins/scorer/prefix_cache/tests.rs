@@ -303,7 +303,7 @@ fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
             medium: Medium::Gpu,
             extra_keys: Vec::new(),
         })],
-        crate::kv_events::store::now_ms(),
+        crate::clock::now_ms(),
     );
 }
 
@@ -391,8 +391,7 @@ fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
         s.after_pick(&v, &state, &b[1]);
     }
     // The in-flight blocks of that pick expire at once (1 ms).
-    b[1].kv()
-        .purge_pending(crate::kv_events::store::now_ms() + 10);
+    b[1].kv().purge_pending(crate::clock::now_ms() + 10);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![0.0, 1.0], "memory: the backend it was sent to");
     let (scores, _) = score(&off, &v, &c);
