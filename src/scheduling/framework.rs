@@ -181,6 +181,21 @@ pub trait Plugin: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// A plugin seen as its [`Plugin`] part: a supertrait of [`Filter`], [`Scorer`] and
+/// [`Picker`], implemented once for every plugin type by the blanket impl below, so a
+/// `&dyn Scorer` yields its `&dyn Plugin` with every hook the plugin has — nothing forwards
+/// hooks by hand, so none can be left out. (`dyn Scorer` → `dyn Plugin` is trait upcasting,
+/// stable only since Rust 1.86; the workspace's declared rust-version is 1.85.)
+pub trait AsPlugin {
+    fn plugin(&self) -> &dyn Plugin;
+}
+
+impl<T: Plugin> AsPlugin for T {
+    fn plugin(&self) -> &dyn Plugin {
+        self
+    }
+}
+
 /// Which instance a plugin works through (see [`Plugin::link_target`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Link<'a> {
@@ -214,7 +229,7 @@ impl Link<'_> {
 /// candidate for a soft reason (load) should keep them all instead; hard reasons (health,
 /// model, a concurrency limit) may empty the list, and then [`Filter::when_empty`] says what
 /// that means.
-pub trait Filter: Plugin {
+pub trait Filter: Plugin + AsPlugin {
     fn filter(&self, request: &RequestView, candidates: &mut Vec<Candidate<'_>>);
     /// What an empty list after this filter means. Filters with a [`Filter::capacity`] mean
     /// [`Rejection::AtCapacity`]; the default is [`Rejection::Unavailable`].
@@ -234,7 +249,7 @@ pub trait Filter: Plugin {
 }
 
 /// Gives each candidate a score, ideally in [0, 1] (the profile clamps it anyway).
-pub trait Scorer: Plugin {
+pub trait Scorer: Plugin + AsPlugin {
     /// The backend signals the scorer reads (checked against each engine at start-up).
     fn consumes(&self) -> &'static [Signal] {
         &[]
@@ -250,7 +265,7 @@ pub trait Scorer: Plugin {
 }
 
 /// Chooses one candidate from the weighted totals.
-pub trait Picker: Plugin {
+pub trait Picker: Plugin + AsPlugin {
     /// Index into `candidates`; `None` only when `candidates` is empty.
     fn pick(&self, candidates: &[Candidate<'_>], totals: &[f64]) -> Option<usize>;
 }

@@ -154,11 +154,10 @@ impl Scheduler {
         for plugin in profile.plugins() {
             plugin.after_pick(request, state, &backend);
         }
-        if let Some(work) = profile
+        let work = profile
             .plugins()
-            .iter()
-            .find_map(|p| p.prompt_work(request, state, &backend))
-        {
+            .find_map(|p| p.prompt_work(request, state, &backend));
+        if let Some(work) = work {
             guard.charge = Some(Charge::new(&backend, work.uncached, work.prompt));
         }
     }

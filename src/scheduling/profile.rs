@@ -60,7 +60,7 @@ pub struct Profile {
     scorers: Vec<(Arc<dyn Scorer>, f64)>,
     picker: Arc<dyn Picker>,
     /// Every plugin of the profile, for lifecycle hooks.
-    plugins: Vec<Arc<dyn Plugin>>,
+    plugins: Vec<PluginInstance>,
     /// The smallest per-backend in-flight limit among the filters (see [`Filter::capacity`]).
     slot_limit: Option<u64>,
     /// Every declared plugin instance with the spec it was built from, for reuse on reload.
@@ -164,8 +164,9 @@ impl Profile {
         &self.decisions
     }
 
-    pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
-        &self.plugins
+    /// Every plugin the profile lists, in its order, for lifecycle hooks.
+    pub fn plugins(&self) -> impl Iterator<Item = &dyn Plugin> + '_ {
+        self.plugins.iter().map(PluginInstance::as_plugin)
     }
 
     /// Signals a scorer reads that a backend's engine does not report, as start-up warnings.
@@ -453,7 +454,7 @@ fn build_profile(
     let mut filters: Vec<Arc<dyn Filter>> = Vec::new();
     let mut scorers = Vec::new();
     let mut picker: Option<Arc<dyn Picker>> = None;
-    let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
+    let mut plugins: Vec<PluginInstance> = Vec::new();
     for (j, r) in spec.plugins.iter().enumerate() {
         let field = format!("scheduling_profiles[{pi}].plugins[{j}]");
         let instance = instances.get(&r.plugin_ref).ok_or_else(|| {
@@ -468,7 +469,7 @@ fn build_profile(
                 "only scorers take a weight",
             ));
         }
-        plugins.push(instance.as_plugin());
+        plugins.push(instance.clone());
         match instance {
             PluginInstance::Filter(f) => filters.push(f.clone()),
             PluginInstance::Scorer(s) => {
@@ -515,9 +516,9 @@ fn build_profile(
     }
     // A plugin working through another instance needs that instance's hooks (it records
     // the picks) in the same profile.
-    for plugin in &plugins {
+    for plugin in plugins.iter().map(PluginInstance::as_plugin) {
         if let Some(Link::Named { name: target, .. }) = plugin.link_target() {
-            if !plugins.iter().any(|p| p.name() == target) {
+            if !plugins.iter().any(|p| p.as_plugin().name() == target) {
                 return Err(ConfigError::invalid(
                     format!("scheduling_profiles[{pi}].plugins"),
                     format!(

@@ -265,13 +265,7 @@ fn a_shared_prefix_matcher_must_name_a_prefix_scorer_of_the_same_profile() {
 fn matchers(p: &Profile) -> (*const (), *const ()) {
     use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
     use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
-    let find = |ty: &str| {
-        p.plugins()
-            .iter()
-            .find(|q| q.type_name() == ty)
-            .map(Arc::clone)
-            .unwrap()
-    };
+    let find = |ty: &str| p.plugins().find(|q| q.type_name() == ty).unwrap();
     let own = find(PrefixCacheScorer::TYPE);
     let own = own.as_any().downcast_ref::<PrefixCacheScorer>().unwrap();
     let cost = find(PrefillCostScorer::TYPE);
@@ -354,13 +348,7 @@ fn one_prefix_match_per_decision() {
     use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
     for text in ["", DECLARED_DEFAULT] {
         let p = build_active(&config(text)).unwrap();
-        let find = |ty: &str| {
-            p.plugins()
-                .iter()
-                .find(|q| q.type_name() == ty)
-                .map(Arc::clone)
-                .unwrap()
-        };
+        let find = |ty: &str| p.plugins().find(|q| q.type_name() == ty).unwrap();
         let prefix = find(PrefixCacheScorer::TYPE);
         let prefix = prefix.as_any().downcast_ref::<PrefixCacheScorer>().unwrap();
         let cost = find(PrefillCostScorer::TYPE);
@@ -407,13 +395,11 @@ fn a_prefill_cost_scorer_alone_matches_on_its_own() {
         "plugins = [{ plugin_ref = \"prefill-cost-scorer\" }]",
         "plugins = [{ plugin_ref = \"prefill-cost-scorer\" }, { plugin_ref = \"prefix-cache-scorer\" }]",
     );
-    let cost = |p: &Profile| {
+    fn cost(p: &Profile) -> &dyn Plugin {
         p.plugins()
-            .iter()
             .find(|q| q.type_name() == PrefillCostScorer::TYPE)
-            .map(Arc::clone)
             .unwrap()
-    };
+    }
     let p = build_active(&config(alone)).unwrap();
     let plugin = cost(&p);
     let scorer = plugin.as_any().downcast_ref::<PrefillCostScorer>().unwrap();
@@ -443,8 +429,8 @@ fn a_prefill_cost_scorer_alone_matches_on_its_own() {
     assert_eq!(plugin2.linked(), Some("prefix-cache-scorer"));
     assert!(scorer2.own_matcher().is_none());
     let again = build_active_reusing(&config(&both), Some(&linked)).unwrap();
-    let ptr = |p: &Arc<dyn Plugin>| std::ptr::from_ref(p.as_any()).cast::<()>();
-    assert_eq!(ptr(&cost(&again)), ptr(&plugin2), "unchanged: kept");
+    let ptr = |p: &dyn Plugin| std::ptr::from_ref(p.as_any()).cast::<()>();
+    assert_eq!(ptr(cost(&again)), ptr(plugin2), "unchanged: kept");
     let back = build_active_reusing(&config(alone), Some(&again)).unwrap();
     let plugin3 = cost(&back);
     assert_eq!(plugin3.linked(), None);
