@@ -5,6 +5,9 @@
 //! proxy: it reads [`Candidate`]s (a backend plus the snapshot of its state taken for this
 //! decision) and the request's [`RequestView`]. Scores are plain numbers the profile clamps
 //! to [0, 1] and weighs in one place, so no plugin can drown out the others by accident.
+//!
+//! [`PluginInstance`] (a built plugin, by role) lives here too: the registry builds instances
+//! and the profile links them, both importing this module, which imports neither.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -170,7 +173,7 @@ pub trait Plugin: Send + Sync {
         None
     }
     /// Take the instance [`Plugin::link_target`] named; an error says why it does not fit.
-    fn link(&self, _target: &super::registry::PluginInstance) -> Result<(), String> {
+    fn link(&self, _target: &PluginInstance) -> Result<(), String> {
         Ok(())
     }
     /// The name of the instance [`Plugin::link`] handed over, if any.
@@ -194,6 +197,41 @@ impl<T: Plugin> AsPlugin for T {
     fn plugin(&self) -> &dyn Plugin {
         self
     }
+}
+
+/// A built plugin, by role.
+#[derive(Clone)]
+pub enum PluginInstance {
+    Filter(Arc<dyn Filter>),
+    Scorer(Arc<dyn Scorer>),
+    Picker(Arc<dyn Picker>),
+}
+
+impl PluginInstance {
+    /// The instance's [`Plugin`] part (see [`AsPlugin`]).
+    pub fn as_plugin(&self) -> &dyn Plugin {
+        match self {
+            PluginInstance::Filter(p) => p.plugin(),
+            PluginInstance::Scorer(p) => p.plugin(),
+            PluginInstance::Picker(p) => p.plugin(),
+        }
+    }
+
+    pub fn role(&self) -> Role {
+        match self {
+            PluginInstance::Filter(_) => Role::Filter,
+            PluginInstance::Scorer(_) => Role::Scorer,
+            PluginInstance::Picker(_) => Role::Picker,
+        }
+    }
+}
+
+/// Where a plugin sits in a profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Filter,
+    Scorer,
+    Picker,
 }
 
 /// Which instance a plugin works through (see [`Plugin::link_target`]).

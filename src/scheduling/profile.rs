@@ -11,7 +11,9 @@ use std::sync::Arc;
 #[path = "decisions.rs"]
 pub mod decisions;
 
-use super::framework::{CycleState, Filter, Link, Picker, Plugin, Rejection, Scorer};
+use super::framework::{
+    CycleState, Filter, Link, Picker, Plugin, PluginInstance, Rejection, Scorer,
+};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
     saturation::SaturationFilter,
@@ -21,7 +23,7 @@ use super::plugins::scorer::{
     kv_cache_utilization::KvCacheUtilizationScorer, prefill_cost::PrefillCostScorer,
     prefix_cache::PrefixCacheScorer,
 };
-use super::registry::{build, PluginInstance};
+use super::registry::build;
 use crate::config::{Config, ConfigError, PluginSpec, ProfilePluginRef, ProfileSpec};
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;

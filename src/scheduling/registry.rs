@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::framework::{Filter, Picker, Plugin, Scorer};
+use super::framework::{PluginInstance, Role};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
     saturation::SaturationFilter,
@@ -19,41 +19,6 @@ use super::plugins::scorer::{
     prefix_cache::PrefixCacheScorer, queue::QueueScorer, session_affinity::SessionAffinityScorer,
 };
 use crate::config::{ConfigError, PluginSpec};
-
-/// A built plugin, by role.
-#[derive(Clone)]
-pub enum PluginInstance {
-    Filter(Arc<dyn Filter>),
-    Scorer(Arc<dyn Scorer>),
-    Picker(Arc<dyn Picker>),
-}
-
-impl PluginInstance {
-    /// The instance's [`Plugin`] part (see [`AsPlugin`](super::framework::AsPlugin)).
-    pub fn as_plugin(&self) -> &dyn Plugin {
-        match self {
-            PluginInstance::Filter(p) => p.plugin(),
-            PluginInstance::Scorer(p) => p.plugin(),
-            PluginInstance::Picker(p) => p.plugin(),
-        }
-    }
-
-    pub fn role(&self) -> Role {
-        match self {
-            PluginInstance::Filter(_) => Role::Filter,
-            PluginInstance::Scorer(_) => Role::Scorer,
-            PluginInstance::Picker(_) => Role::Picker,
-        }
-    }
-}
-
-/// Where a plugin sits in a profile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Filter,
-    Scorer,
-    Picker,
-}
 
 /// Builds one instance from its name and `parameters` table.
 pub type Factory = fn(&str, &toml::Table) -> Result<PluginInstance, ConfigError>;
@@ -159,6 +124,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::config::Config;
+    use crate::scheduling::framework::{Plugin, Scorer};
 
     /// Every row builds from a config file that declares it and uses it in a profile, with the
     /// role the row claims; a type listed but not buildable (the old `capacity-filter` defect)

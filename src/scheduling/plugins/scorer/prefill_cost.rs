@@ -52,10 +52,11 @@ use serde::Deserialize;
 use crate::config::ConfigError;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{CycleState, Link, Plugin, PromptWork, Scorer, Signal};
+use crate::scheduling::framework::{
+    CycleState, Link, Plugin, PluginInstance, PromptWork, Scorer, Signal,
+};
 use crate::scheduling::plugins::scorer::prefix_cache::{Held, PrefixCacheScorer};
 use crate::scheduling::plugins::{identity, parameters};
-use crate::scheduling::registry::PluginInstance;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
