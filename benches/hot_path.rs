@@ -75,14 +75,51 @@ fn hashing(c: &mut Criterion) {
     g.finish();
 }
 
+/// The default profile's plugins declared in a file, as `bench/policies/default-prefill-cost.toml`
+/// does (the prefill-cost scorer with its parameters left at their defaults).
+const DECLARED_DEFAULT: &str = r#"
+[[plugins]]
+type = "saturation-filter"
+[plugins.parameters]
+max_waiting = 16
+max_kv_usage = 1.0
+[[plugins]]
+type = "prefix-cache-scorer"
+[[plugins]]
+type = "prefill-cost-scorer"
+[[plugins]]
+type = "kv-cache-utilization-scorer"
+[[plugins]]
+type = "max-score-picker"
+[[scheduling_profiles]]
+name = "declared-default"
+plugins = [
+  { plugin_ref = "saturation-filter" },
+  { plugin_ref = "prefix-cache-scorer", weight = 2 },
+  { plugin_ref = "prefill-cost-scorer", weight = 1 },
+  { plugin_ref = "kv-cache-utilization-scorer", weight = 1 },
+  { plugin_ref = "max-score-picker" },
+]
+"#;
+
 /// A pool of `n` healthy backends serving `m`, with fresh metrics, and a scheduler using the
 /// default profile whose prefix index already holds `groups` prompts spread over the pool.
 fn fleet(n: usize, groups: usize, prompt_len: usize) -> (Arc<Scheduler>, Vec<RequestView>) {
+    fleet_with("", n, groups, prompt_len)
+}
+
+/// [`fleet`] with the scheduling part of a config file (`""`: the default profile).
+fn fleet_with(
+    profile: &str,
+    n: usize,
+    groups: usize,
+    prompt_len: usize,
+) -> (Arc<Scheduler>, Vec<RequestView>) {
     let mut config = Config {
         backends: (0..n)
             .map(|i| BackendConfig::from_url(format!("http://127.0.0.1:{}", 20_000 + i)))
             .collect(),
-        ..Config::default()
+        ..Config::from_toml(profile, "bench").unwrap()
     };
     config.poller.stale_after_ms = 3_600_000;
     let pool = Arc::new(Pool::from_config(&config).unwrap());
@@ -140,6 +177,19 @@ fn decision(c: &mut Criterion) {
         (512, 32_000),
     ] {
         let (scheduler, views) = fleet(backends, 64, len);
+        let mut i = 0;
+        g.bench_function(BenchmarkId::new(format!("{len}_chars"), backends), |b| {
+            b.iter(|| {
+                i = (i + 1) % views.len();
+                black_box(decide(&scheduler, &views[i]));
+            })
+        });
+    }
+    g.finish();
+    // The same decisions with the default profile's plugins declared in the file.
+    let mut g = c.benchmark_group("declared_decision");
+    for (backends, len) in [(64, 1_000), (64, 32_000)] {
+        let (scheduler, views) = fleet_with(DECLARED_DEFAULT, backends, 64, len);
         let mut i = 0;
         g.bench_function(BenchmarkId::new(format!("{len}_chars"), backends), |b| {
             b.iter(|| {

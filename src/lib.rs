@@ -36,9 +36,12 @@
 //!   defaults and `validate`, e.g. `forward::config`, `discovery::config`, `front_door::serve`),
 //!   loads the file and the flags' overrides, and reports errors by the field's path as a
 //!   [`config_error::ConfigError`] (a leaf module, so sections need not import `config`).
+//! * [`clock`] — the millisecond clock (monotonic, and wall-clock for labels) every module
+//!   stamps with.
 //! * [`telemetry`] — inferlb's own metrics and logging.
 
 pub mod background;
+pub mod clock;
 pub mod config;
 pub mod config_error;
 pub mod discovery;

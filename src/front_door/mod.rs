@@ -264,7 +264,7 @@ async fn forward(
     // KV-event stream is live (nothing else reads them).
     if form_boundary.is_none() {
         app.tokenizers.fill_if(&mut view, &body, || {
-            crate::kv_events::any_live(&app.pool.backends(), crate::kv_events::store::now_ms())
+            crate::kv_events::any_live(&app.pool.backends(), crate::clock::now_ms())
         });
     }
     tag(&config, &mut parts, &mut view);
@@ -437,11 +437,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "probe_in_flight": probe_in_flight,
                 }),
             };
-            let joined = b
-                .origin
-                .joined_at
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
+            let joined = crate::clock::unix_ms_of(b.origin.joined_at) / 1000;
             serde_json::json!({
                 "url": b.name,
                 "id": b.id,
@@ -456,14 +452,14 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "sent_tokens": {
                     "prefill": b.work().prefill_tokens(),
                     "decode": b.work().decode_tokens(),
-                    "recent": b.work().recent_tokens(crate::kv_events::store::now_ms()).round(),
+                    "recent": b.work().recent_tokens(crate::clock::now_ms()).round(),
                 },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,
                 "last_error": s.last_error,
                 "models": s.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
                 "metrics": metrics,
-                "kv_events": b.kv().admin_json(crate::kv_events::store::now_ms()),
+                "kv_events": b.kv().admin_json(crate::clock::now_ms()),
             })
         })
         .collect();

@@ -35,7 +35,7 @@ use crate::endpoints::BackendConfig;
 use crate::config_error::ConfigError;
 use crate::endpoints::Backend;
 
-/// Whether any of `backends` has a `live` stream at `now` ([`store::now_ms`]): only then can
+/// Whether any of `backends` has a `live` stream at `now` ([`crate::clock::now_ms`]): only then can
 /// token ids change a decision. One atomic load per backend until the first live one; never
 /// waits.
 pub fn any_live(backends: &[Arc<Backend>], now: u64) -> bool {

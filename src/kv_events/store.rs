@@ -26,13 +26,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
-use std::time::Instant;
 
 use scc::{Guard, HashIndex};
 
 use super::chain::block_hash;
 use super::fleet::fleet;
 use super::wire::{Event, Medium, Stored, MAX_EXTRA};
+use crate::clock::now_ms;
 
 /// Blocks kept while the backend's `num_gpu_blocks` is unknown.
 pub const DEFAULT_CAPACITY: usize = 1 << 20;
@@ -41,12 +41,6 @@ pub const MAX_PENDING: usize = 1 << 16;
 
 type Set<V> = HashIndex<u64, V, foldhash::fast::RandomState>;
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// Milliseconds since the process's first call: the store's clock.
-pub fn now_ms() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64
-}
 
 /// What routing may make of a backend's stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,7 +214,7 @@ impl BlockStore {
         self.clear();
     }
 
-    /// Status at `now` (ms, [`now_ms`]).
+    /// Status at `now` (ms, [`crate::clock::now_ms`]).
     pub fn status(&self, now: u64) -> Status {
         let base = match self.status.load(Ordering::Acquire) {
             OFF => return Status::Off,

@@ -26,9 +26,10 @@ use http_body_util::Full;
 use tokio::sync::watch;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use super::store::{now_ms, BlockStore, SeqCheck, Status};
+use super::store::{BlockStore, SeqCheck, Status};
 use super::wire::{decode_payload, split_frames, END_OF_REPLAY};
 use super::{parse_sources, Endpoint, KvEventsConfig, ReplayRule, Source};
+use crate::clock::now_ms;
 use crate::endpoints::{Backend, Pool};
 use crate::telemetry as t;
 

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -78,8 +78,7 @@ pub struct CandidateScores {
 pub struct DecisionLog {
     capacity: usize,
     always: bool,
-    started: Instant,
-    /// Milliseconds since `started` until which decisions are recorded.
+    /// The [`crate::clock::now_ms`] until which decisions are recorded.
     armed_until_ms: AtomicU64,
     next_seq: AtomicU64,
     ring: Mutex<VecDeque<Arc<DecisionRecord>>>,
@@ -92,26 +91,21 @@ impl DecisionLog {
         DecisionLog {
             capacity,
             always,
-            started: Instant::now(),
             armed_until_ms: AtomicU64::new(0),
             next_seq: AtomicU64::new(0),
             ring: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
         }
     }
 
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
     /// Should the decision being made now go into the ring? The cheap check on the hot path.
     pub fn recording(&self) -> bool {
         self.capacity > 0
-            && (self.always || self.armed_until_ms.load(Ordering::Relaxed) > self.now_ms())
+            && (self.always || self.armed_until_ms.load(Ordering::Relaxed) > crate::clock::now_ms())
     }
 
     /// The newest `n` decisions, newest first; arms the ring for [`ARMED_FOR`].
     pub fn recent(&self, n: usize) -> Vec<Arc<DecisionRecord>> {
-        let until = self.now_ms().saturating_add(ARMED_FOR.as_millis() as u64);
+        let until = crate::clock::now_ms().saturating_add(ARMED_FOR.as_millis() as u64);
         self.armed_until_ms.fetch_max(until, Ordering::Relaxed);
         let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.iter().rev().take(n).cloned().collect()
@@ -126,7 +120,7 @@ impl DecisionLog {
         (!self.always).then(|| {
             self.armed_until_ms
                 .load(Ordering::Relaxed)
-                .saturating_sub(self.now_ms())
+                .saturating_sub(crate::clock::now_ms())
                 / 1000
         })
     }
@@ -177,9 +171,7 @@ impl DecisionLog {
         let text = request.routing_text.as_deref();
         let record = Arc::new(DecisionRecord {
             seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
-            unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            unix_ms: crate::clock::unix_ms(),
             profile: profile.to_owned(),
             model: request
                 .model

@@ -5,6 +5,9 @@
 //! proxy: it reads [`Candidate`]s (a backend plus the snapshot of its state taken for this
 //! decision) and the request's [`RequestView`]. Scores are plain numbers the profile clamps
 //! to [0, 1] and weighs in one place, so no plugin can drown out the others by accident.
+//!
+//! [`PluginInstance`] (a built plugin, by role) lives here too: the registry builds instances
+//! and the profile links them, both importing this module, which imports neither.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -64,15 +67,30 @@ pub enum Rejection {
     AtCapacity,
 }
 
-/// Per-request scratch space where plugins leave data for their own later use. It lives as
-/// long as the request, across every decision made for it (retries, waits for capacity), so
-/// work such as the prefix scorer's block hashes is done once per request.
+/// Per-request scratch space where plugins leave data for their own later use, and for the
+/// plugins linked to them (see [`Plugin::link_target`]). It lives as long as the request,
+/// across every decision made for it (retries, waits for capacity), so work such as the
+/// prefix scorer's block hashes is done once per request; what holds for one decision only
+/// (a prefix match) is tagged with [`CycleState::decision`].
 #[derive(Default)]
 pub struct CycleState {
     entries: Vec<(Arc<str>, Box<dyn Any + Send + Sync>)>,
+    /// The number of the decision under way: 0 until a profile runs one (plugins called
+    /// outside a profile then never take an earlier result for this decision's).
+    decision: u64,
 }
 
 impl CycleState {
+    /// A profile starts a decision: results tagged with an earlier one are stale from now on.
+    pub fn begin_decision(&mut self) {
+        self.decision = self.decision.wrapping_add(1).max(1);
+    }
+
+    /// The decision under way (see [`CycleState::begin_decision`]); 0 outside a profile.
+    pub fn decision(&self) -> u64 {
+        self.decision
+    }
+
     pub fn put<T: Any + Send + Sync>(&mut self, key: &Arc<str>, value: T) {
         if let Some(slot) = self
             .entries
@@ -146,27 +164,110 @@ pub trait Plugin: Send + Sync {
     /// `/metrics` is being rendered: set the plugin's own gauges (they would otherwise idle
     /// out of the exporter while no request comes).
     fn refresh_metrics(&self) {}
-    /// The plugin instance this one works through instead of keeping state of its own, named
-    /// in its parameters: `(parameter, instance name)`. The profile builder hands that
-    /// instance over with [`Plugin::link`] once, when this instance is built (a reload that
-    /// rebuilds the other one rebuilds this one too), and refuses a profile that uses this
-    /// plugin without the other one.
-    fn link_target(&self) -> Option<(&'static str, &str)> {
+    /// The plugin instance this one works through instead of keeping state of its own (see
+    /// [`Link`]). The profile builder hands that instance over with [`Plugin::link`] once,
+    /// when this instance is built for the profile in effect; a reload that rebuilds the
+    /// other instance, or that would link this one to another (or to none), rebuilds this one
+    /// too.
+    fn link_target(&self) -> Option<Link<'_>> {
         None
     }
     /// Take the instance [`Plugin::link_target`] named; an error says why it does not fit.
-    fn link(&self, _target: &super::registry::PluginInstance) -> Result<(), String> {
+    fn link(&self, _target: &PluginInstance) -> Result<(), String> {
         Ok(())
+    }
+    /// The name of the instance [`Plugin::link`] handed over, if any.
+    fn linked(&self) -> Option<&str> {
+        None
     }
     /// The concrete plugin, for a linked plugin to recognise its target's type.
     fn as_any(&self) -> &dyn Any;
+}
+
+/// A plugin seen as its [`Plugin`] part: a supertrait of [`Filter`], [`Scorer`] and
+/// [`Picker`], implemented once for every plugin type by the blanket impl below, so a
+/// `&dyn Scorer` yields its `&dyn Plugin` with every hook the plugin has — nothing forwards
+/// hooks by hand, so none can be left out. (`dyn Scorer` → `dyn Plugin` is trait upcasting,
+/// stable only since Rust 1.86; the workspace's declared rust-version is 1.85.)
+pub trait AsPlugin {
+    fn plugin(&self) -> &dyn Plugin;
+}
+
+impl<T: Plugin> AsPlugin for T {
+    fn plugin(&self) -> &dyn Plugin {
+        self
+    }
+}
+
+/// A built plugin, by role.
+#[derive(Clone)]
+pub enum PluginInstance {
+    Filter(Arc<dyn Filter>),
+    Scorer(Arc<dyn Scorer>),
+    Picker(Arc<dyn Picker>),
+}
+
+impl PluginInstance {
+    /// The instance's [`Plugin`] part (see [`AsPlugin`]).
+    pub fn as_plugin(&self) -> &dyn Plugin {
+        match self {
+            PluginInstance::Filter(p) => p.plugin(),
+            PluginInstance::Scorer(p) => p.plugin(),
+            PluginInstance::Picker(p) => p.plugin(),
+        }
+    }
+
+    pub fn role(&self) -> Role {
+        match self {
+            PluginInstance::Filter(_) => Role::Filter,
+            PluginInstance::Scorer(_) => Role::Scorer,
+            PluginInstance::Picker(_) => Role::Picker,
+        }
+    }
+}
+
+/// Where a plugin sits in a profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Filter,
+    Scorer,
+    Picker,
+}
+
+/// Which instance a plugin works through (see [`Plugin::link_target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link<'a> {
+    /// The instance named in the plugin's parameter `param`; a profile using the plugin must
+    /// include it (it runs the hooks that keep the shared state).
+    Named { param: &'static str, name: &'a str },
+    /// The first plugin of this type in the profile in effect, if it has one; without one the
+    /// plugin works on its own.
+    FirstOfType(&'static str),
+}
+
+impl Link<'_> {
+    /// The instance this link resolves to in a profile whose plugins are `refs` (instance
+    /// names in profile order), `type_of` giving an instance's type.
+    pub fn resolve<'r>(
+        &self,
+        refs: impl IntoIterator<Item = &'r str>,
+        type_of: impl Fn(&str) -> Option<&'static str>,
+    ) -> Option<String> {
+        match self {
+            Link::Named { name, .. } => Some((*name).to_owned()),
+            Link::FirstOfType(ty) => refs
+                .into_iter()
+                .find(|r| type_of(r) == Some(*ty))
+                .map(str::to_owned),
+        }
+    }
 }
 
 /// Removes candidates that must not serve the request. A filter that would remove every
 /// candidate for a soft reason (load) should keep them all instead; hard reasons (health,
 /// model, a concurrency limit) may empty the list, and then [`Filter::when_empty`] says what
 /// that means.
-pub trait Filter: Plugin {
+pub trait Filter: Plugin + AsPlugin {
     fn filter(&self, request: &RequestView, candidates: &mut Vec<Candidate<'_>>);
     /// What an empty list after this filter means. Filters with a [`Filter::capacity`] mean
     /// [`Rejection::AtCapacity`]; the default is [`Rejection::Unavailable`].
@@ -186,7 +287,7 @@ pub trait Filter: Plugin {
 }
 
 /// Gives each candidate a score, ideally in [0, 1] (the profile clamps it anyway).
-pub trait Scorer: Plugin {
+pub trait Scorer: Plugin + AsPlugin {
     /// The backend signals the scorer reads (checked against each engine at start-up).
     fn consumes(&self) -> &'static [Signal] {
         &[]
@@ -202,7 +303,7 @@ pub trait Scorer: Plugin {
 }
 
 /// Chooses one candidate from the weighted totals.
-pub trait Picker: Plugin {
+pub trait Picker: Plugin + AsPlugin {
     /// Index into `candidates`; `None` only when `candidates` is empty.
     fn pick(&self, candidates: &[Candidate<'_>], totals: &[f64]) -> Option<usize>;
 }
@@ -278,5 +379,9 @@ mod tests {
         assert_eq!(state.get::<u32>("p"), Some(&6));
         assert_eq!(state.get::<u64>("p"), None);
         assert_eq!(state.get::<u32>("q"), None);
+        assert_eq!(state.decision(), 0);
+        state.begin_decision();
+        state.begin_decision();
+        assert_eq!(state.decision(), 2);
     }
 }

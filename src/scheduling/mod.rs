@@ -149,18 +149,16 @@ impl Scheduler {
     pub fn sent(&self, request: &RequestView, state: &CycleState, guard: &mut InflightGuard) {
         let profile = self.profile.load();
         let backend = Arc::clone(guard.backend());
-        backend.work().note_sent(
-            request.estimated_prompt_tokens(),
-            crate::kv_events::store::now_ms(),
-        );
+        backend
+            .work()
+            .note_sent(request.estimated_prompt_tokens(), crate::clock::now_ms());
         for plugin in profile.plugins() {
             plugin.after_pick(request, state, &backend);
         }
-        if let Some(work) = profile
+        let work = profile
             .plugins()
-            .iter()
-            .find_map(|p| p.prompt_work(request, state, &backend))
-        {
+            .find_map(|p| p.prompt_work(request, state, &backend));
+        if let Some(work) = work {
             guard.charge = Some(Charge::new(&backend, work.uncached, work.prompt));
         }
     }

@@ -12,7 +12,9 @@ use std::sync::Arc;
 pub mod decisions;
 
 use super::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
-use super::framework::{CycleState, Filter, Picker, Plugin, Rejection, Scorer};
+use super::framework::{
+    CycleState, Filter, Link, Picker, Plugin, PluginInstance, Rejection, Scorer,
+};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
     saturation::SaturationFilter,
@@ -22,7 +24,7 @@ use super::plugins::scorer::{
     kv_cache_utilization::KvCacheUtilizationScorer, prefill_cost::PrefillCostScorer,
     prefix_cache::PrefixCacheScorer,
 };
-use super::registry::{build, PluginInstance};
+use super::registry::build;
 use crate::config::Config;
 use crate::config_error::ConfigError;
 use crate::endpoints::Candidate;
@@ -62,7 +64,7 @@ pub struct Profile {
     scorers: Vec<(Arc<dyn Scorer>, f64)>,
     picker: Arc<dyn Picker>,
     /// Every plugin of the profile, for lifecycle hooks.
-    plugins: Vec<Arc<dyn Plugin>>,
+    plugins: Vec<PluginInstance>,
     /// The smallest per-backend in-flight limit among the filters (see [`Filter::capacity`]).
     slot_limit: Option<u64>,
     /// Every declared plugin instance with the spec it was built from, for reuse on reload.
@@ -83,6 +85,7 @@ impl Profile {
         if candidates.is_empty() {
             return Err(Rejection::Unavailable);
         }
+        state.begin_decision();
         for filter in &self.filters {
             filter.filter(request, candidates);
             if candidates.is_empty() {
@@ -165,8 +168,9 @@ impl Profile {
         &self.decisions
     }
 
-    pub fn plugins(&self) -> &[Arc<dyn Plugin>] {
-        &self.plugins
+    /// Every plugin the profile lists, in its order, for lifecycle hooks.
+    pub fn plugins(&self) -> impl Iterator<Item = &dyn Plugin> + '_ {
+        self.plugins.iter().map(PluginInstance::as_plugin)
     }
 
     /// Signals a scorer reads that a backend's engine does not report, as start-up warnings.
@@ -217,34 +221,59 @@ fn default_parameters(kind: &str) -> toml::Table {
         table.insert("max_waiting".into(), toml::Value::Float(16.0));
         table.insert("max_kv_usage".into(), toml::Value::Float(1.0));
     }
-    if kind == PrefillCostScorer::TYPE {
-        // One prefix matcher for the profile: the prefill-cost scorer works through the
-        // prefix-cache scorer's index instead of keeping an identical one.
-        table.insert(
-            "prefix".into(),
-            toml::Value::String(PrefixCacheScorer::TYPE.into()),
-        );
-    }
     table
+}
+
+/// The instance each plugin works through in the profile in effect (see
+/// [`Plugin::link_target`]): a named one wherever the plugin is, the first of a type only for
+/// the plugins of `active` (the others are built for validation alone).
+fn link_targets(
+    instances: &HashMap<String, PluginInstance>,
+    active: Option<&ProfileSpec>,
+) -> HashMap<String, String> {
+    let refs: Vec<&str> = active.map_or_else(Vec::new, |p| {
+        p.plugins.iter().map(|r| r.plugin_ref.as_str()).collect()
+    });
+    let type_of = |name: &str| instances.get(name).map(|i| i.as_plugin().type_name());
+    instances
+        .iter()
+        .filter_map(|(name, instance)| {
+            let plugin = instance.as_plugin();
+            let link = plugin.link_target()?;
+            if matches!(link, Link::FirstOfType(_)) && !refs.contains(&name.as_str()) {
+                return None;
+            }
+            let target = link.resolve(refs.iter().copied(), type_of)?;
+            Some((name.clone(), target))
+        })
+        .collect()
 }
 
 /// Hand every freshly built plugin that works through another instance that instance (see
 /// [`Plugin::link_target`]). A reused instance is never re-linked: it belongs to the profile
 /// in effect, and this build may still be refused. So a reused plugin whose target was
-/// rebuilt is rebuilt too (it keeps no state of its own) before this runs.
+/// rebuilt, or changes, is rebuilt too (it keeps no state of its own while linked) before
+/// this runs.
 fn link_all(
     instances: &HashMap<String, PluginInstance>,
+    targets: &HashMap<String, String>,
     reused: &std::collections::HashSet<String>,
     field_of: impl Fn(&str) -> String,
 ) -> Result<(), ConfigError> {
-    let mut names: Vec<&String> = instances.keys().filter(|n| !reused.contains(*n)).collect();
+    let mut names: Vec<&String> = targets.keys().filter(|n| !reused.contains(*n)).collect();
     names.sort_unstable();
     for name in names {
         let plugin = instances[name].as_plugin();
-        let Some((param, target)) = plugin.link_target() else {
-            continue;
+        let target = &targets[name];
+        let param = match plugin.link_target() {
+            Some(Link::Named { param, .. }) => param,
+            _ => "",
         };
-        let field = format!("{}.{param}", field_of(name));
+        let field = if param.is_empty() {
+            field_of(name)
+        } else {
+            format!("{}.{param}", field_of(name))
+        };
         let Some(instance) = instances.get(target) else {
             return Err(ConfigError::invalid(
                 field,
@@ -325,14 +354,19 @@ pub fn build_active_reusing(
     } else {
         config.scheduling_profiles.clone()
     };
-    // A kept plugin linked to an instance this build replaces is replaced as well.
+    let wanted = config
+        .profile
+        .clone()
+        .unwrap_or_else(|| profiles[0].name.clone());
+    let targets = link_targets(&instances, profiles.iter().find(|p| p.name == wanted));
+    // A kept plugin linked to an instance this build replaces, or that would now be linked to
+    // another instance (or to none), is replaced as well.
     let mut relink: Vec<String> = reused
         .iter()
         .filter(|name| {
-            instances[*name]
-                .as_plugin()
-                .link_target()
-                .is_some_and(|(_, target)| !reused.contains(target))
+            let target = targets.get(*name);
+            target.is_some_and(|t| !reused.contains(t))
+                || instances[*name].as_plugin().linked() != target.map(String::as_str)
         })
         .cloned()
         .collect();
@@ -345,14 +379,18 @@ pub fn build_active_reusing(
         Some(i) => format!("plugins[{i}].parameters"),
         None => format!("default profile's `{name}` parameters"),
     };
-    link_all(&instances, &reused, field_of)?;
+    link_all(&instances, &targets, &reused, field_of)?;
     if config.scheduling_profiles.is_empty() {
         // The default profile holds only its own plugins: a declared default plugin linked to
         // another instance is an error in that plugin's parameters, not in a profile the file
         // does not have.
         for (kind, _) in DEFAULT_PROFILE {
             let plugin = instances[*kind].as_plugin();
-            if let Some((param, target)) = plugin.link_target() {
+            if let Some(Link::Named {
+                param,
+                name: target,
+            }) = plugin.link_target()
+            {
                 if !DEFAULT_PROFILE.iter().any(|(k, _)| *k == target) {
                     return Err(ConfigError::invalid(
                         format!("{}.{param}", field_of(kind)),
@@ -366,10 +404,6 @@ pub fn build_active_reusing(
         }
     }
     let mut active = None;
-    let wanted = config
-        .profile
-        .clone()
-        .unwrap_or_else(|| profiles[0].name.clone());
     let mut seen = std::collections::HashSet::new();
     // A reload keeps the ring (the status page and `/admin/decisions` hold it).
     let log = previous.map_or_else(
@@ -424,7 +458,7 @@ fn build_profile(
     let mut filters: Vec<Arc<dyn Filter>> = Vec::new();
     let mut scorers = Vec::new();
     let mut picker: Option<Arc<dyn Picker>> = None;
-    let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
+    let mut plugins: Vec<PluginInstance> = Vec::new();
     for (j, r) in spec.plugins.iter().enumerate() {
         let field = format!("scheduling_profiles[{pi}].plugins[{j}]");
         let instance = instances.get(&r.plugin_ref).ok_or_else(|| {
@@ -439,7 +473,7 @@ fn build_profile(
                 "only scorers take a weight",
             ));
         }
-        plugins.push(instance.as_plugin());
+        plugins.push(instance.clone());
         match instance {
             PluginInstance::Filter(f) => filters.push(f.clone()),
             PluginInstance::Scorer(s) => {
@@ -486,9 +520,9 @@ fn build_profile(
     }
     // A plugin working through another instance needs that instance's hooks (it records
     // the picks) in the same profile.
-    for plugin in &plugins {
-        if let Some((_, target)) = plugin.link_target() {
-            if !plugins.iter().any(|p| p.name() == target) {
+    for plugin in plugins.iter().map(PluginInstance::as_plugin) {
+        if let Some(Link::Named { name: target, .. }) = plugin.link_target() {
+            if !plugins.iter().any(|p| p.as_plugin().name() == target) {
                 return Err(ConfigError::invalid(
                     format!("scheduling_profiles[{pi}].plugins"),
                     format!(

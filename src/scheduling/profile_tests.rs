@@ -265,13 +265,7 @@ fn a_shared_prefix_matcher_must_name_a_prefix_scorer_of_the_same_profile() {
 fn matchers(p: &Profile) -> (*const (), *const ()) {
     use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
     use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
-    let find = |ty: &str| {
-        p.plugins()
-            .iter()
-            .find(|q| q.type_name() == ty)
-            .map(Arc::clone)
-            .unwrap()
-    };
+    let find = |ty: &str| p.plugins().find(|q| q.type_name() == ty).unwrap();
     let own = find(PrefixCacheScorer::TYPE);
     let own = own.as_any().downcast_ref::<PrefixCacheScorer>().unwrap();
     let cost = find(PrefillCostScorer::TYPE);
@@ -323,4 +317,127 @@ fn a_default_profile_plugin_linked_outside_it_names_its_own_parameter() {
         e.contains("plugins[1].parameters.prefix") && e.contains("`px` is not one of them"),
         "{e}"
     );
+}
+
+/// The default profile's plugins declared in a file (as `bench/policies/default-prefill-cost.toml`
+/// does): the prefill-cost scorer's `prefix` left at its default.
+const DECLARED_DEFAULT: &str = r#"
+[[plugins]]
+type = "prefix-cache-scorer"
+[[plugins]]
+type = "prefill-cost-scorer"
+[[plugins]]
+type = "kv-cache-utilization-scorer"
+[[scheduling_profiles]]
+name = "declared"
+plugins = [
+  { plugin_ref = "prefill-cost-scorer", weight = 1 },
+  { plugin_ref = "prefix-cache-scorer", weight = 2 },
+  { plugin_ref = "kv-cache-utilization-scorer", weight = 1 },
+]
+"#;
+
+/// A decision matches the prompt once, however many of the profile's scorers need the match:
+/// the prefill-cost scorer takes the prefix-cache scorer's answer from the request's state
+/// (listed before it or after), its own matcher never runs, and each pick is recorded in one
+/// index. Before, the default profile matched twice per decision through one shared matcher,
+/// and a profile declaring both scorers kept two matchers and two indexes.
+#[test]
+fn one_prefix_match_per_decision() {
+    use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
+    use crate::scheduling::plugins::scorer::prefix_cache::PrefixCacheScorer;
+    for text in ["", DECLARED_DEFAULT] {
+        let p = build_active(&config(text)).unwrap();
+        let find = |ty: &str| p.plugins().find(|q| q.type_name() == ty).unwrap();
+        let prefix = find(PrefixCacheScorer::TYPE);
+        let prefix = prefix.as_any().downcast_ref::<PrefixCacheScorer>().unwrap();
+        let cost = find(PrefillCostScorer::TYPE);
+        let cost = cost.as_any().downcast_ref::<PrefillCostScorer>().unwrap();
+        assert!(
+            cost.own_matcher().is_none(),
+            "{text}: linked, no matcher of its own"
+        );
+        let unused = cost.unused_own_matcher().unwrap();
+        let b = backends(3);
+        // 100 blocks of 64 characters.
+        let body = format!(r#"{{"prompt":"{}"}}"#, "abcd".repeat(1_600));
+        let view = RequestView::parse(Operation::Completions, body.as_bytes()).unwrap();
+        let mut state = CycleState::default();
+        for decision in 1..=2 {
+            let mut c: Vec<_> = b
+                .iter()
+                .map(|b| Candidate::with_metrics(b, Some(load(Some(0.0), Some(0.0))), 0))
+                .collect();
+            let picked = p.run(&view, &mut state, &mut c).ok().unwrap().index;
+            let picked = Arc::clone(c[picked].backend);
+            for plugin in p.plugins() {
+                plugin.after_pick(&view, &state, &picked);
+            }
+            assert_eq!(prefix.match_passes(&state), decision, "{text}");
+            assert_eq!(unused.match_passes(&state), 0, "{text}");
+        }
+        assert!(prefix.index().blocks() >= 100, "{text}");
+        assert_eq!(unused.index().blocks(), 0, "{text}");
+    }
+}
+
+/// Without a prefix-cache scorer in the profile the prefill-cost scorer matches on its own,
+/// once per decision, and records the picks in its own index; a reload that adds a prefix
+/// scorer to the profile rebuilds it linked, one that takes it away rebuilds it on its own.
+#[test]
+fn a_prefill_cost_scorer_alone_matches_on_its_own() {
+    use crate::scheduling::plugins::scorer::prefill_cost::PrefillCostScorer;
+    let alone = "[[plugins]]\ntype = \"prefill-cost-scorer\"\n\
+                 [[plugins]]\ntype = \"prefix-cache-scorer\"\n\
+                 [[scheduling_profiles]]\nname = \"p\"\n\
+                 plugins = [{ plugin_ref = \"prefill-cost-scorer\" }]\n";
+    let both = alone.replace(
+        "plugins = [{ plugin_ref = \"prefill-cost-scorer\" }]",
+        "plugins = [{ plugin_ref = \"prefill-cost-scorer\" }, { plugin_ref = \"prefix-cache-scorer\" }]",
+    );
+    fn cost(p: &Profile) -> &dyn Plugin {
+        p.plugins()
+            .find(|q| q.type_name() == PrefillCostScorer::TYPE)
+            .unwrap()
+    }
+    let p = build_active(&config(alone)).unwrap();
+    let plugin = cost(&p);
+    let scorer = plugin.as_any().downcast_ref::<PrefillCostScorer>().unwrap();
+    let own = scorer.own_matcher().unwrap();
+    let b = backends(2);
+    let body = format!(r#"{{"prompt":"{}"}}"#, "abcd".repeat(1_600));
+    let view = RequestView::parse(Operation::Completions, body.as_bytes()).unwrap();
+    let mut state = CycleState::default();
+    let mut c: Vec<_> = b
+        .iter()
+        .map(|b| Candidate::with_metrics(b, None, 0))
+        .collect();
+    let picked = p.run(&view, &mut state, &mut c).ok().unwrap().index;
+    let picked = Arc::clone(c[picked].backend);
+    for plugin in p.plugins() {
+        plugin.after_pick(&view, &state, &picked);
+    }
+    assert_eq!(own.match_passes(&state), 1);
+    assert_eq!(own.index().blocks(), 100);
+
+    let linked = build_active_reusing(&config(&both), Some(&p)).unwrap();
+    let plugin2 = cost(&linked);
+    let scorer2 = plugin2
+        .as_any()
+        .downcast_ref::<PrefillCostScorer>()
+        .unwrap();
+    assert_eq!(plugin2.linked(), Some("prefix-cache-scorer"));
+    assert!(scorer2.own_matcher().is_none());
+    let again = build_active_reusing(&config(&both), Some(&linked)).unwrap();
+    let ptr = |p: &dyn Plugin| std::ptr::from_ref(p.as_any()).cast::<()>();
+    assert_eq!(ptr(cost(&again)), ptr(plugin2), "unchanged: kept");
+    let back = build_active_reusing(&config(alone), Some(&again)).unwrap();
+    let plugin3 = cost(&back);
+    assert_eq!(plugin3.linked(), None);
+    assert!(plugin3
+        .as_any()
+        .downcast_ref::<PrefillCostScorer>()
+        .unwrap()
+        .own_matcher()
+        .is_some());
 }

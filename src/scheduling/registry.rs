@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::framework::{Filter, Picker, Plugin, Scorer};
+use super::framework::{PluginInstance, Role};
 use super::plugins::filter::{
     capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
     saturation::SaturationFilter,
@@ -20,87 +20,6 @@ use super::plugins::scorer::{
 };
 use crate::config_error::ConfigError;
 use crate::scheduling::config::PluginSpec;
-
-/// A built plugin, by role.
-#[derive(Clone)]
-pub enum PluginInstance {
-    Filter(Arc<dyn Filter>),
-    Scorer(Arc<dyn Scorer>),
-    Picker(Arc<dyn Picker>),
-}
-
-/// A role trait object seen as a [`Plugin`]. `Arc<dyn Filter>` → `Arc<dyn Plugin>` is trait
-/// upcasting, stable only since Rust 1.86; the workspace's declared rust-version is 1.85, so
-/// the hooks are delegated instead. Every [`Plugin`] method must be forwarded here.
-/// The plugin view of a filter, scorer or picker. Every method of [`Plugin`] must be
-/// forwarded here: one left out silently becomes the default no-op for every plugin.
-struct AsPlugin<T: ?Sized>(Arc<T>);
-
-impl<T: Plugin + ?Sized> Plugin for AsPlugin<T> {
-    fn type_name(&self) -> &'static str {
-        self.0.type_name()
-    }
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn after_pick(
-        &self,
-        request: &crate::prompt::RequestView,
-        state: &super::framework::CycleState,
-        backend: &crate::endpoints::Backend,
-    ) {
-        self.0.after_pick(request, state, backend);
-    }
-    fn prompt_work(
-        &self,
-        request: &crate::prompt::RequestView,
-        state: &super::framework::CycleState,
-        backend: &crate::endpoints::Backend,
-    ) -> Option<super::framework::PromptWork> {
-        self.0.prompt_work(request, state, backend)
-    }
-    fn backend_removed(&self, backend: &crate::endpoints::Backend) {
-        self.0.backend_removed(backend);
-    }
-    fn refresh_metrics(&self) {
-        self.0.refresh_metrics();
-    }
-    fn link_target(&self) -> Option<(&'static str, &str)> {
-        self.0.link_target()
-    }
-    fn link(&self, target: &PluginInstance) -> Result<(), String> {
-        self.0.link(target)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self.0.as_any()
-    }
-}
-
-impl PluginInstance {
-    pub fn as_plugin(&self) -> Arc<dyn Plugin> {
-        match self {
-            PluginInstance::Filter(p) => Arc::new(AsPlugin(Arc::clone(p))),
-            PluginInstance::Scorer(p) => Arc::new(AsPlugin(Arc::clone(p))),
-            PluginInstance::Picker(p) => Arc::new(AsPlugin(Arc::clone(p))),
-        }
-    }
-
-    pub fn role(&self) -> Role {
-        match self {
-            PluginInstance::Filter(_) => Role::Filter,
-            PluginInstance::Scorer(_) => Role::Scorer,
-            PluginInstance::Picker(_) => Role::Picker,
-        }
-    }
-}
-
-/// Where a plugin sits in a profile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Filter,
-    Scorer,
-    Picker,
-}
 
 /// Builds one instance from its name and `parameters` table.
 pub type Factory = fn(&str, &toml::Table) -> Result<PluginInstance, ConfigError>;
@@ -206,6 +125,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::config::Config;
+    use crate::scheduling::framework::{Plugin, Scorer};
 
     /// Every row builds from a config file that declares it and uses it in a profile, with the
     /// role the row claims; a type listed but not buildable (the old `capacity-filter` defect)
@@ -250,6 +170,114 @@ mod tests {
         assert!(
             err.contains("no-such-thing") && err.contains("capacity-filter"),
             "{err}"
+        );
+    }
+
+    /// A plugin answering every [`Plugin`] method in its own way, to see each one reached
+    /// through the instance's plugin view (a hand-written forwarder once left a hook out, so
+    /// every plugin got the default no-op instead).
+    struct EveryHook(std::sync::Mutex<Vec<&'static str>>);
+
+    impl EveryHook {
+        fn saw(&self, hook: &'static str) {
+            self.0.lock().unwrap().push(hook);
+        }
+    }
+
+    impl Plugin for EveryHook {
+        fn type_name(&self) -> &'static str {
+            "every-hook"
+        }
+        fn name(&self) -> &str {
+            "probe"
+        }
+        fn after_pick(
+            &self,
+            _: &crate::prompt::RequestView,
+            _: &super::super::framework::CycleState,
+            _: &crate::endpoints::Backend,
+        ) {
+            self.saw("after_pick");
+        }
+        fn prompt_work(
+            &self,
+            _: &crate::prompt::RequestView,
+            _: &super::super::framework::CycleState,
+            _: &crate::endpoints::Backend,
+        ) -> Option<super::super::framework::PromptWork> {
+            self.saw("prompt_work");
+            Some(super::super::framework::PromptWork {
+                uncached: 1,
+                prompt: 2,
+            })
+        }
+        fn backend_removed(&self, _: &crate::endpoints::Backend) {
+            self.saw("backend_removed");
+        }
+        fn refresh_metrics(&self) {
+            self.saw("refresh_metrics");
+        }
+        fn link_target(&self) -> Option<super::super::framework::Link<'_>> {
+            self.saw("link_target");
+            Some(super::super::framework::Link::FirstOfType("x"))
+        }
+        fn link(&self, _: &PluginInstance) -> Result<(), String> {
+            self.saw("link");
+            Err("no".into())
+        }
+        fn linked(&self) -> Option<&str> {
+            self.saw("linked");
+            Some("y")
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    impl Scorer for EveryHook {
+        fn score(
+            &self,
+            _: &crate::prompt::RequestView,
+            _: &mut super::super::framework::CycleState,
+            _: &[crate::endpoints::Candidate<'_>],
+            _: &mut [f64],
+        ) {
+        }
+    }
+
+    #[test]
+    fn the_plugin_view_reaches_every_hook() {
+        let probe = Arc::new(EveryHook(std::sync::Mutex::default()));
+        let instance = PluginInstance::Scorer(probe.clone());
+        let plugin = instance.as_plugin();
+        let b = crate::endpoints::test_support::backends(1);
+        let view = crate::prompt::RequestView::parse(
+            crate::prompt::Operation::Completions,
+            br#"{"prompt":"x"}"#,
+        )
+        .unwrap();
+        let state = super::super::framework::CycleState::default();
+        assert_eq!(plugin.type_name(), "every-hook");
+        assert_eq!(plugin.name(), "probe");
+        plugin.after_pick(&view, &state, &b[0]);
+        assert!(plugin.prompt_work(&view, &state, &b[0]).is_some());
+        plugin.backend_removed(&b[0]);
+        plugin.refresh_metrics();
+        assert!(plugin.link_target().is_some());
+        assert!(plugin.link(&instance).is_err());
+        assert_eq!(plugin.linked(), Some("y"));
+        assert!(plugin.as_any().downcast_ref::<EveryHook>().is_some());
+        assert_eq!(
+            *probe.0.lock().unwrap(),
+            [
+                "after_pick",
+                "prompt_work",
+                "backend_removed",
+                "refresh_metrics",
+                "link_target",
+                "link",
+                "linked"
+            ]
         );
     }
 

@@ -27,18 +27,24 @@
 //! by `pending` and `decoding` alone.
 //!
 //! Parameters: `decode_weight` (default 0.05: in vLLM a decoding sequence's context costs far
-//! less per step than a prefilled token, but it holds KV blocks), `smoothing` (default 256
-//! tokens), and `prefix`, which says where `held_i` comes from:
+//! less per step than a prefilled token, but it holds KV blocks) and `smoothing` (default 256
+//! tokens).
 //!
-//! * a table: the parameters of a prefix matcher of the scorer's own (those of the
-//!   `prefix-cache-scorer`, same defaults; an empty table is all defaults), with its own
-//!   approximate index, so the scorer can replace the prefix and load scorers in a profile;
-//! * a plugin name (`prefix = "prefix-cache-scorer"`): that `prefix-cache-scorer` instance's
-//!   matcher, shared — one index, the prompt hashed once, each pick recorded once. The profile
-//!   must include that instance (it records the picks). The default profile links its two
-//!   scorers this way; before, it kept two identical indexes, hashed every prompt twice and
-//!   counted every pick twice in `inferlb_prefix_match_ratio`.
+//! `held_i` comes from the profile's `prefix-cache-scorer` when it has one (the first, in
+//! profile order): this scorer reads that scorer's answer for the decision from the request's
+//! [`CycleState`] — one prompt hashed, one match against the KV events and the index per
+//! decision, each pick recorded once in one index. Only a profile without a prefix-cache
+//! scorer gives this scorer a matcher of its own (with its own approximate index), so it can
+//! replace the prefix and load scorers there. No setting chooses between the two; the
+//! `prefix` parameter still accepted says:
+//!
+//! * a table (or nothing): the parameters of that own matcher (those of the
+//!   `prefix-cache-scorer`, same defaults), used only in a profile without one (a start-up
+//!   warning says when a non-empty table goes unused);
+//! * a plugin name (`prefix = "prefix-cache-scorer"`): read that instance's answer rather than
+//!   the first one's; the profile must include it.
 
+use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
@@ -46,10 +52,11 @@ use serde::Deserialize;
 use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, Candidate};
 use crate::prompt::RequestView;
-use crate::scheduling::framework::{CycleState, Plugin, PromptWork, Scorer, Signal};
+use crate::scheduling::framework::{
+    CycleState, Link, Plugin, PluginInstance, PromptWork, Scorer, Signal,
+};
 use crate::scheduling::plugins::scorer::prefix_cache::{Held, PrefixCacheScorer};
 use crate::scheduling::plugins::{identity, parameters};
-use crate::scheduling::registry::PluginInstance;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -80,17 +87,6 @@ impl Default for Params {
     }
 }
 
-/// Where the scorer's prefix matches come from.
-enum Matcher {
-    Own(PrefixCacheScorer),
-    /// A `prefix-cache-scorer` instance of the profile, set once by [`Plugin::link`] when
-    /// the profile is built (a reload that rebuilds that instance rebuilds this one too).
-    Shared {
-        target: String,
-        scorer: OnceLock<Arc<dyn Scorer>>,
-    },
-}
-
 /// Per request: this scorer's uncached estimate per candidate of the last scoring.
 struct Estimates {
     prompt: u64,
@@ -101,8 +97,16 @@ pub struct PrefillCostScorer {
     name: Arc<str>,
     decode_weight: f64,
     smoothing: f64,
-    /// The matcher; an own one keeps its scratch under `"<name>.prefix"`.
-    prefix: Matcher,
+    /// The matcher of its own, used while no prefix-cache scorer is linked (`None` when
+    /// `prefix` names one); it keeps its scratch under `"<name>.prefix"`.
+    own: Option<PrefixCacheScorer>,
+    /// `prefix` was a non-empty table: its parameters, unused once linked, deserve a warning.
+    own_parameters: bool,
+    /// The instance `prefix` names, if it names one.
+    named: Option<String>,
+    /// The profile's prefix-cache scorer, handed over once by [`Plugin::link`] when the
+    /// profile is built (a reload that rebuilds it, or would link another, rebuilds this one).
+    shared: OnceLock<Arc<dyn Scorer>>,
 }
 
 impl PrefillCostScorer {
@@ -117,43 +121,51 @@ impl PrefillCostScorer {
         if !(params.smoothing > 0.0 && params.smoothing.is_finite()) {
             return Err(ConfigError::invalid(field, "smoothing must be > 0"));
         }
-        let prefix = match params.prefix {
-            PrefixParam::Own(table) => Matcher::Own(PrefixCacheScorer::from_parameters(
-                &format!("{name}.prefix"),
-                &table,
-            )?),
-            PrefixParam::Shared(target) => Matcher::Shared {
-                target,
-                scorer: OnceLock::new(),
-            },
+        let (own, own_parameters, named) = match params.prefix {
+            PrefixParam::Own(table) => (
+                Some(PrefixCacheScorer::from_parameters(
+                    &format!("{name}.prefix"),
+                    &table,
+                )?),
+                !table.is_empty(),
+                None,
+            ),
+            PrefixParam::Shared(target) => (None, false, Some(target)),
         };
         Ok(PrefillCostScorer {
             name: name.into(),
             decode_weight: params.decode_weight,
             smoothing: params.smoothing,
-            prefix,
+            own,
+            own_parameters,
+            named,
+            shared: OnceLock::new(),
         })
     }
 
-    /// Run `f` with the prefix matcher in use: the scorer's own, or the linked one (`None`
-    /// only before the profile builder linked it).
+    /// The linked prefix-cache scorer, if the profile builder linked one.
+    fn source(&self) -> Option<&PrefixCacheScorer> {
+        self.shared.get()?.as_any().downcast_ref()
+    }
+
+    /// Run `f` with the prefix matcher in use: the linked one, or the scorer's own (`None`
+    /// only for a scorer naming an instance that the profile builder has not linked yet).
     pub fn with_prefix<R>(&self, f: impl FnOnce(&PrefixCacheScorer) -> R) -> Option<R> {
-        match &self.prefix {
-            Matcher::Own(own) => Some(f(own)),
-            Matcher::Shared { scorer, .. } => {
-                let shared = scorer.get()?;
-                shared.as_any().downcast_ref::<PrefixCacheScorer>().map(f)
-            }
+        self.source().or(self.own.as_ref()).map(f)
+    }
+
+    /// The matcher of the scorer's own while it is the one in use (hooks run only on that
+    /// one: a linked matcher gets them from its plugin).
+    pub fn own_matcher(&self) -> Option<&PrefixCacheScorer> {
+        match self.shared.get() {
+            Some(_) => None,
+            None => self.own.as_ref(),
         }
     }
 
-    /// The matcher of the scorer's own, if it has one (hooks run only on an own matcher: a
-    /// shared one gets them from its plugin).
-    fn own(&self) -> Option<&PrefixCacheScorer> {
-        match &self.prefix {
-            Matcher::Own(own) => Some(own),
-            Matcher::Shared { .. } => None,
-        }
+    /// The matcher of the scorer's own, whether in use or not (for tests and probes).
+    pub fn unused_own_matcher(&self) -> Option<&PrefixCacheScorer> {
+        self.own.as_ref()
     }
 }
 
@@ -161,7 +173,7 @@ impl Plugin for PrefillCostScorer {
     identity!();
 
     fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
-        if let Some(own) = self.own() {
+        if let Some(own) = self.own_matcher() {
             own.after_pick(request, state, backend);
         }
     }
@@ -193,52 +205,65 @@ impl Plugin for PrefillCostScorer {
     }
 
     fn backend_removed(&self, backend: &Backend) {
-        if let Some(own) = self.own() {
+        if let Some(own) = self.own_matcher() {
             own.backend_removed(backend);
         }
     }
 
     fn refresh_metrics(&self) {
-        if let Some(own) = self.own() {
+        if let Some(own) = self.own_matcher() {
             own.refresh_metrics();
         }
     }
 
-    fn link_target(&self) -> Option<(&'static str, &str)> {
-        match &self.prefix {
-            Matcher::Own(_) => None,
-            Matcher::Shared { target, .. } => Some(("prefix", target)),
-        }
+    fn link_target(&self) -> Option<Link<'_>> {
+        Some(match &self.named {
+            Some(name) => Link::Named {
+                param: "prefix",
+                name,
+            },
+            None => Link::FirstOfType(PrefixCacheScorer::TYPE),
+        })
     }
 
     fn link(&self, target: &PluginInstance) -> Result<(), String> {
-        let Matcher::Shared {
-            target: name,
-            scorer,
-        } = &self.prefix
-        else {
-            return Ok(());
-        };
-        match target {
+        let scorer = match target {
             PluginInstance::Scorer(s)
                 if s.as_any().downcast_ref::<PrefixCacheScorer>().is_some() =>
             {
-                scorer
-                    .set(Arc::clone(s))
-                    .map_err(|_| format!("already linked to `{name}`"))
+                s
             }
-            _ => Err(format!(
-                "`{name}` is not a `{}` instance",
-                PrefixCacheScorer::TYPE
-            )),
+            other => {
+                return Err(format!(
+                    "`{}` is not a `{}` instance",
+                    other.as_plugin().name(),
+                    PrefixCacheScorer::TYPE
+                ))
+            }
+        };
+        self.shared
+            .set(Arc::clone(scorer))
+            .map_err(|_| format!("already linked to `{}`", self.linked().unwrap_or("?")))?;
+        if self.own_parameters {
+            tracing::warn!(
+                scorer = %self.name,
+                source = %scorer.name(),
+                "the `prefix` parameters of this prefill-cost-scorer are unused: the profile's \
+                 prefix-cache-scorer supplies its prefix matches"
+            );
         }
+        Ok(())
+    }
+
+    fn linked(&self) -> Option<&str> {
+        self.shared.get().map(|s| s.name())
     }
 }
 
 impl Scorer for PrefillCostScorer {
     fn consumes(&self) -> &'static [Signal] {
         // A shared matcher's plugin declares its own.
-        self.own().map_or(&[], |own| own.consumes())
+        self.own_matcher().map_or(&[], |own| own.consumes())
     }
 
     fn score(
@@ -248,18 +273,13 @@ impl Scorer for PrefillCostScorer {
         candidates: &[Candidate<'_>],
         scores: &mut [f64],
     ) {
-        let (held, prompt) = self
-            .with_prefix(|p| {
-                let own = self.own().is_some();
-                (
-                    p.held(request, state, candidates, own),
-                    p.prompt_tokens(request),
-                )
-            })
-            .unwrap_or_else(|| (vec![Held::default(); candidates.len()], 0.0));
+        let (held, prompt) = match self.source().or(self.own.as_ref()) {
+            Some(p) => (p.held(request, state, candidates), p.prompt_tokens(request)),
+            None => (Cow::Owned(vec![Held::default(); candidates.len()]), 0.0),
+        };
         let mut uncached = Vec::with_capacity(candidates.len());
         let mut min = f64::INFINITY;
-        for ((slot, c), h) in scores.iter_mut().zip(candidates).zip(&held) {
+        for ((slot, c), h) in scores.iter_mut().zip(candidates).zip(held.iter()) {
             let own = (prompt - h.tokens).max(0.0);
             let work = c.backend.work();
             let cost = own
@@ -269,6 +289,7 @@ impl Scorer for PrefillCostScorer {
             min = min.min(cost);
             uncached.push((c.backend.id, own.ceil() as u64));
         }
+        drop(held);
         for slot in scores.iter_mut() {
             *slot = (min + self.smoothing) / (*slot + self.smoothing);
         }

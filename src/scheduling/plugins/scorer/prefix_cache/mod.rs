@@ -91,15 +91,17 @@
 pub mod index;
 mod lru;
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::clock::now_ms;
 use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::kv_events::chain::prompt_chain;
-use crate::kv_events::store::{now_ms, Status};
+use crate::kv_events::store::Status;
 use crate::prompt::RequestView;
 use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};
@@ -186,6 +188,13 @@ struct Scratch {
     hashes: Vec<u64>,
     /// (backend id, matched blocks) for each candidate of the last scoring.
     matched: Vec<(usize, usize)>,
+    /// What each candidate of the last scoring holds (same order as `matched`)…
+    held: Vec<Held>,
+    /// …in this decision of the request ([`CycleState::decision`]).
+    decision: u64,
+    /// Match passes made for the request: one per decision when the profile's scorers share
+    /// this matcher's answer.
+    passes: u32,
     /// Token-block chains by (block size, LoRA adapter), computed once per request.
     chains: Vec<Chain>,
     /// (backend id, chain index, blocks held) for each candidate scored precisely.
@@ -337,26 +346,61 @@ impl PrefixCacheScorer {
 
     /// How much of `request`'s prompt each candidate holds, consecutively from the start:
     /// by its reported blocks when its KV-event stream is live, else by the approximate index.
-    /// Leaves the request's hashes and matches in `state` for [`Plugin::after_pick`] (and for
-    /// the next decision of the same request). Scorers that reason in tokens (the
-    /// `prefill-cost-scorer`) call this on a scorer of their own, or on the profile's shared
-    /// one; `count` says whether to count the candidates in
-    /// `inferlb_prefix_precise_candidates_total` (once per decision: a shared matcher's own
-    /// scorer counts them).
-    pub fn held(
+    /// Leaves the request's hashes, matches and this answer in `state` for
+    /// [`Plugin::after_pick`], for the next decision of the same request, and for the other
+    /// scorers of this decision: asked again within one decision (a profile's
+    /// `prefill-cost-scorer` linked to this scorer asks after or before it scores) it answers
+    /// from `state` without matching again.
+    pub fn held<'s>(
+        &self,
+        request: &RequestView,
+        state: &'s mut CycleState,
+        candidates: &[Candidate<'_>],
+    ) -> Cow<'s, [Held]> {
+        if !self.answered(state, candidates) {
+            self.match_prompt(request, state, candidates);
+        }
+        match state.get::<Scratch>(&self.name) {
+            Some(scratch) if scratch.held.len() == candidates.len() => Cow::Borrowed(&scratch.held),
+            _ => Cow::Owned(vec![Held::default(); candidates.len()]),
+        }
+    }
+
+    /// Has this decision's answer for these candidates been left in `state` already?
+    fn answered(&self, state: &CycleState, candidates: &[Candidate<'_>]) -> bool {
+        let decision = state.decision();
+        decision != 0
+            && state.get::<Scratch>(&self.name).is_some_and(|s| {
+                s.decision == decision
+                    && s.matched.len() == candidates.len()
+                    && s.matched
+                        .iter()
+                        .zip(candidates)
+                        .all(|((id, _), c)| *id == c.backend.id)
+            })
+    }
+
+    /// The match passes made for the request whose state this is (0: this matcher never
+    /// matched it).
+    pub fn match_passes(&self, state: &CycleState) -> u32 {
+        state.get::<Scratch>(&self.name).map_or(0, |s| s.passes)
+    }
+
+    /// Match the prompt against every candidate and leave the answer in `state` (see
+    /// [`PrefixCacheScorer::held`]); the candidates are counted in
+    /// `inferlb_prefix_precise_candidates_total` here, once per decision.
+    fn match_prompt(
         &self,
         request: &RequestView,
         state: &mut CycleState,
         candidates: &[Candidate<'_>],
-        count: bool,
-    ) -> Vec<Held> {
-        let mut out = vec![Held::default(); candidates.len()];
+    ) {
         if request.routing_text.is_none() && request.tokens.is_none() {
-            return out;
+            return;
         }
-        let (hashes, mut chains) = match state.take::<Scratch>(&self.name) {
-            Some(scratch) => (scratch.hashes, scratch.chains),
-            None => (self.hashes(request), Vec::new()),
+        let (hashes, mut chains, passes) = match state.take::<Scratch>(&self.name) {
+            Some(scratch) => (scratch.hashes, scratch.chains, scratch.passes),
+            None => (self.hashes(request), Vec::new(), 0),
         };
         let mut precise = Vec::new();
         let exact = self.precise_matches(request, candidates, &mut chains, &mut precise);
@@ -368,6 +412,7 @@ impl PrefixCacheScorer {
         self.index.match_lengths(&hashes, &ids, &mut matched);
         let n = hashes.len();
         let chars_per_token = self.params.chars_per_token;
+        let mut out = vec![Held::default(); candidates.len()];
         for ((slot, m), exact) in out.iter_mut().zip(&matched).zip(&exact) {
             let recalled = if n > 0 { *m as f64 / n as f64 } else { 0.0 };
             *slot = match exact {
@@ -388,26 +433,29 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
-        if count && !precise.is_empty() {
+        if !precise.is_empty() {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
                 .increment(precise.len() as u64);
         }
         let approximate = candidates.len().saturating_sub(precise.len());
-        if count && approximate > 0 && n > 0 {
+        if approximate > 0 && n > 0 {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
                 .increment(approximate as u64);
         }
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
+        let decision = state.decision();
         state.put(
             &self.name,
             Scratch {
                 hashes,
                 matched,
+                held: out,
+                decision,
+                passes: passes.saturating_add(1),
                 chains,
                 precise,
             },
         );
-        out
     }
 
     /// The prompt's length in tokens: its token ids when known, else its routing text's
@@ -541,10 +589,10 @@ impl Scorer for PrefixCacheScorer {
         scores: &mut [f64],
     ) {
         scores.iter_mut().for_each(|s| *s = 0.0);
-        let held = self.held(request, state, candidates, true);
+        let held = self.held(request, state, candidates);
         let w = self.params.length_weight;
         let mut any = false;
-        for (slot, h) in scores.iter_mut().zip(&held) {
+        for (slot, h) in scores.iter_mut().zip(held.iter()) {
             if h.of == 0 {
                 continue;
             }
@@ -562,7 +610,7 @@ impl Scorer for PrefixCacheScorer {
             let best = scores.iter().copied().fold(0.0, f64::max);
             if self.params.memory_weight > 0.0 && best < 1.0 {
                 let open = self.params.memory_weight * (1.0 - best);
-                for (slot, h) in scores.iter_mut().zip(&held) {
+                for (slot, h) in scores.iter_mut().zip(held.iter()) {
                     if h.precise {
                         *slot = (*slot + open * h.recalled).min(1.0);
                     }

@@ -290,7 +290,7 @@ fn report(b: &Backend, ids: &[u32], bs: usize, blocks: usize, seq: u64) {
             ids[..n * bs].iter().copied(),
             bs as u32,
         )],
-        crate::kv_events::store::now_ms(),
+        crate::clock::now_ms(),
     );
 }
 
@@ -360,8 +360,7 @@ fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
         record(s, &v, &c, &b[1]);
     }
     // The in-flight blocks of that pick expire at once (1 ms).
-    b[1].kv()
-        .purge_pending(crate::kv_events::store::now_ms() + 10);
+    b[1].kv().purge_pending(crate::clock::now_ms() + 10);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![0.0, 1.0], "memory: the backend it was sent to");
     let (scores, _) = score(&off, &v, &c);
