@@ -144,7 +144,10 @@ fn fleet_with(
         ));
         b.publish(state);
     }
-    let scheduler = Arc::new(Scheduler::new(pool, build_active(&config).unwrap()));
+    let scheduler = Arc::new(Scheduler::new(
+        pool,
+        build_active(config.scheduling()).unwrap(),
+    ));
     let views: Vec<_> = (0..groups)
         .map(|g| view(&text(prompt_len, g as u64)))
         .collect();

@@ -120,7 +120,7 @@ fn scheduler(profile: &str) -> Scheduler {
         ));
         b.publish(state);
     }
-    Scheduler::new(pool, build_active(&config).unwrap())
+    Scheduler::new(pool, build_active(config.scheduling()).unwrap())
 }
 
 /// The distinct prefix indexes the profile's matchers record into, and their entries.

@@ -119,9 +119,9 @@ pub async fn run_reloadable(
         .max(config.poller.interval_ms.saturating_mul(3));
     let metrics = telemetry::prometheus(Duration::from_millis(idle));
     let pool = Arc::new(Pool::from_config(&config)?);
-    let profile = scheduling::profile::build_active(&config)?;
+    let profile = scheduling::profile::build_active(config.scheduling())?;
     tracing::info!(profile = %profile.describe(), backends = pool.backends().len(), "scheduling profile");
-    for warning in profile.missing_signals(&config) {
+    for warning in profile.missing_signals(&config.backend_engines()) {
         tracing::warn!("{warning}");
     }
 

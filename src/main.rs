@@ -332,7 +332,7 @@ async fn run(cli: Cli, mut config: Config) -> ExitCode {
     telemetry::init_logging(config.log_format, &config.log_level);
     if let Err(e) = config
         .validate()
-        .and_then(|_| inferlb::scheduling::profile::build_active(&config).map(|_| ()))
+        .and_then(|_| inferlb::scheduling::profile::build_active(config.scheduling()).map(|_| ()))
     {
         eprintln!("inferlb: {e}");
         return ExitCode::from(2);

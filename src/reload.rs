@@ -60,7 +60,7 @@ impl Live {
     fn try_apply(&self, next: Config) -> Result<Vec<String>, ConfigError> {
         next.validate()?;
         let old = self.config.load_full();
-        let profile = build_active_reusing(&next, Some(&self.scheduler.profile()))?;
+        let profile = build_active_reusing(next.scheduling(), Some(&self.scheduler.profile()))?;
         let auth = Auth::with_priorities(&next.auth, &next.priority)?;
         // Everything is valid: swap.
         self.scheduler.set_profile(profile);

@@ -7,6 +7,22 @@
 
 use serde::Deserialize;
 
+/// What building the scheduling profiles reads of the configuration: the plugin tables, the
+/// active profile's name, the decision log's size and the per-backend in-flight limit. The
+/// composer (`crate::config`) lends it, so the profile builder never names the whole file.
+#[derive(Debug, Clone, Copy)]
+pub struct ProfileInputs<'a> {
+    pub plugins: &'a [PluginSpec],
+    pub scheduling_profiles: &'a [ProfileSpec],
+    /// `profile`: the active profile (default: the first).
+    pub profile: Option<&'a str>,
+    /// `admin.decisions`, `admin.decisions_always`.
+    pub decisions: usize,
+    pub decisions_always: bool,
+    /// `limits.max_inflight_per_backend` (0: none).
+    pub max_inflight_per_backend: u64,
+}
+
 /// A plugin instance: `type` picks the factory, `name` is how profiles refer to it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 #[path = "decisions.rs"]
 pub mod decisions;
 
-use super::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
+use super::config::{PluginSpec, ProfileInputs, ProfilePluginRef, ProfileSpec};
 use super::framework::{
     CycleState, Filter, Link, Picker, Plugin, PluginInstance, Rejection, Scorer,
 };
@@ -25,8 +25,8 @@ use super::plugins::scorer::{
     prefix_cache::PrefixCacheScorer,
 };
 use super::registry::build;
-use crate::config::Config;
 use crate::config_error::ConfigError;
+use crate::endpoints::engine::EngineMetricNames;
 use crate::endpoints::Candidate;
 use crate::prompt::RequestView;
 
@@ -174,15 +174,16 @@ impl Profile {
     }
 
     /// Signals a scorer reads that a backend's engine does not report, as start-up warnings.
-    pub fn missing_signals(&self, config: &Config) -> Vec<String> {
+    /// For every scorer signal that an engine among `engines` (each backend's engine name and
+    /// its metric names, `None` when unknown) does not report, a warning.
+    pub fn missing_signals(&self, engines: &[(&str, Option<EngineMetricNames>)]) -> Vec<String> {
         let mut out = Vec::new();
         for (scorer, _) in &self.scorers {
             for signal in scorer.consumes() {
-                let mut engines: Vec<&str> = config
-                    .backends
+                let mut engines: Vec<&str> = engines
                     .iter()
-                    .map(|b| b.engine.as_str())
-                    .filter(|e| config.engine(e).is_some_and(|n| !signal.reported_by(&n)))
+                    .filter(|(_, names)| names.as_ref().is_some_and(|n| !signal.reported_by(n)))
+                    .map(|(engine, _)| *engine)
                     .collect();
                 engines.sort_unstable();
                 engines.dedup();
@@ -288,7 +289,7 @@ fn link_all(
 }
 
 /// Build the active profile (and validate all the others) from the config.
-pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
+pub fn build_active(config: ProfileInputs<'_>) -> Result<Arc<Profile>, ConfigError> {
     build_active_reusing(config, None)
 }
 
@@ -296,7 +297,7 @@ pub fn build_active(config: &Config) -> Result<Arc<Profile>, ConfigError> {
 /// parameters are unchanged — a reload that only changes weights or limits keeps the prefix
 /// index and every other plugin's state.
 pub fn build_active_reusing(
-    config: &Config,
+    config: ProfileInputs<'_>,
     previous: Option<&Profile>,
 ) -> Result<Arc<Profile>, ConfigError> {
     let mut specs: HashMap<String, PluginSpec> = HashMap::new();
@@ -352,12 +353,11 @@ pub fn build_active_reusing(
                 .collect(),
         }]
     } else {
-        config.scheduling_profiles.clone()
+        config.scheduling_profiles.to_vec()
     };
     let wanted = config
         .profile
-        .clone()
-        .unwrap_or_else(|| profiles[0].name.clone());
+        .map_or_else(|| profiles[0].name.clone(), str::to_owned);
     let targets = link_targets(&instances, profiles.iter().find(|p| p.name == wanted));
     // A kept plugin linked to an instance this build replaces, or that would now be linked to
     // another instance (or to none), is replaced as well.
@@ -409,8 +409,8 @@ pub fn build_active_reusing(
     let log = previous.map_or_else(
         || {
             Arc::new(decisions::DecisionLog::new(
-                config.admin.decisions,
-                config.admin.decisions_always,
+                config.decisions,
+                config.decisions_always,
             ))
         },
         |p| Arc::clone(&p.decisions),
@@ -422,8 +422,7 @@ pub fn build_active_reusing(
                 format!("duplicate profile name `{}`", spec.name),
             ));
         }
-        let mut profile =
-            build_profile(pi, spec, &instances, config.limits.max_inflight_per_backend)?;
+        let mut profile = build_profile(pi, spec, &instances, config.max_inflight_per_backend)?;
         profile.decisions = Arc::clone(&log);
         if spec.name == wanted {
             profile.built = specs

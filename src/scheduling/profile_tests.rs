@@ -8,8 +8,22 @@ use crate::endpoints::Candidate;
 use crate::prompt::Operation;
 use crate::scheduling::framework::Rejection;
 
+use crate::config::Config;
+
 fn config(text: &str) -> Config {
     Config::from_toml(text, "t").unwrap()
+}
+
+/// The builders as the composer calls them, from a whole configuration.
+fn build_active(c: &Config) -> Result<Arc<Profile>, ConfigError> {
+    super::build_active(c.scheduling())
+}
+
+fn build_active_reusing(
+    c: &Config,
+    previous: Option<&Profile>,
+) -> Result<Arc<Profile>, ConfigError> {
+    super::build_active_reusing(c.scheduling(), previous)
 }
 
 fn err(text: &str) -> String {
@@ -182,7 +196,9 @@ fn scorers_reading_signals_an_engine_lacks_are_reported() {
         plugins = [{ plugin_ref = "queue-scorer" }, { plugin_ref = "prefix-cache-scorer" }, { plugin_ref = "kv-cache-utilization-scorer" }]
         "#,
     );
-    let warnings = build_active(&c).unwrap().missing_signals(&c);
+    let warnings = build_active(&c)
+        .unwrap()
+        .missing_signals(&c.backend_engines());
     assert_eq!(warnings.len(), 3, "{warnings:#?}");
     assert!(warnings
         .iter()
@@ -196,7 +212,7 @@ fn scorers_reading_signals_an_engine_lacks_are_reported() {
     let vllm_only = config("[[backends]]\nurl = \"http://127.0.0.1:1\"\n");
     assert!(build_active(&vllm_only)
         .unwrap()
-        .missing_signals(&vllm_only)
+        .missing_signals(&vllm_only.backend_engines())
         .is_empty());
 }
 

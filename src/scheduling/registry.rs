@@ -154,7 +154,7 @@ mod tests {
             assert_eq!(instance.role(), row.role, "{}", row.type_name);
             assert_eq!(instance.as_plugin().type_name(), row.type_name);
             assert_eq!(instance.as_plugin().name(), "under-test");
-            crate::scheduling::profile::build_active(&config)
+            crate::scheduling::profile::build_active(config.scheduling())
                 .unwrap_or_else(|e| panic!("{}: profile does not build: {e}", row.type_name));
         }
     }
