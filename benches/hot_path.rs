@@ -75,32 +75,9 @@ fn hashing(c: &mut Criterion) {
     g.finish();
 }
 
-/// The default profile's plugins declared in a file, as `bench/policies/default-prefill-cost.toml`
-/// does (the prefill-cost scorer with its parameters left at their defaults).
-const DECLARED_DEFAULT: &str = r#"
-[[plugins]]
-type = "saturation-filter"
-[plugins.parameters]
-max_waiting = 16
-max_kv_usage = 1.0
-[[plugins]]
-type = "prefix-cache-scorer"
-[[plugins]]
-type = "prefill-cost-scorer"
-[[plugins]]
-type = "kv-cache-utilization-scorer"
-[[plugins]]
-type = "max-score-picker"
-[[scheduling_profiles]]
-name = "declared-default"
-plugins = [
-  { plugin_ref = "saturation-filter" },
-  { plugin_ref = "prefix-cache-scorer", weight = 2 },
-  { plugin_ref = "prefill-cost-scorer", weight = 1 },
-  { plugin_ref = "kv-cache-utilization-scorer", weight = 1 },
-  { plugin_ref = "max-score-picker" },
-]
-"#;
+/// The default profile's plugins declared in a file: `bench/policies/default-prefill-cost.toml`
+/// (the prefill-cost scorer with its parameters left at their defaults).
+const DECLARED_DEFAULT: &str = include_str!("../bench/policies/default-prefill-cost.toml");
 
 /// A pool of `n` healthy backends serving `m`, with fresh metrics, and a scheduler using the
 /// default profile whose prefix index already holds `groups` prompts spread over the pool.

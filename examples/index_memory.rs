@@ -61,32 +61,8 @@ fn per_entry() {
     );
 }
 
-/// The default profile's plugins declared in a file (the shape of
-/// `bench/policies/default-prefill-cost.toml`).
-const DECLARED_DEFAULT: &str = r#"
-[[plugins]]
-type = "saturation-filter"
-[plugins.parameters]
-max_waiting = 16
-max_kv_usage = 1.0
-[[plugins]]
-type = "prefix-cache-scorer"
-[[plugins]]
-type = "prefill-cost-scorer"
-[[plugins]]
-type = "kv-cache-utilization-scorer"
-[[plugins]]
-type = "max-score-picker"
-[[scheduling_profiles]]
-name = "declared-default"
-plugins = [
-  { plugin_ref = "saturation-filter" },
-  { plugin_ref = "prefix-cache-scorer", weight = 2 },
-  { plugin_ref = "prefill-cost-scorer", weight = 1 },
-  { plugin_ref = "kv-cache-utilization-scorer", weight = 1 },
-  { plugin_ref = "max-score-picker" },
-]
-"#;
+/// The default profile's plugins declared in a file: `bench/policies/default-prefill-cost.toml`.
+const DECLARED_DEFAULT: &str = include_str!("../bench/policies/default-prefill-cost.toml");
 
 /// A scheduler over `BACKENDS` healthy backends with room for every prompt in their caches.
 fn scheduler(profile: &str) -> Scheduler {
