@@ -449,6 +449,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "url": b.name,
                 "id": b.id,
                 "source": b.origin.source,
+                "role": b.role.as_str(),
                 "labels": crate::endpoints::membership::labels_json(&b.origin.labels),
                 "joined_unix": joined,
                 "draining": b.is_draining(),
