@@ -262,3 +262,44 @@ fn config_needs_a_selector_or_a_pool_not_both() {
     };
     assert!(KubernetesDiscovery::new(&pool, &d).is_ok());
 }
+
+/// Counts the warnings logged while it is the subscriber.
+struct Warnings(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *e.metadata().level() == tracing::Level::WARN {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn a_pod_whose_role_turns_unknown_leaves_and_is_warned_about_once() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let warnings = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let subscriber = tracing_subscriber::registry().with(Warnings(warnings.clone()));
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let warned = || warnings.load(std::sync::atomic::Ordering::Relaxed);
+    let mut s = source();
+    let labelled = |role: &str| {
+        let mut v = pod("a", "10.0.0.1");
+        v["metadata"]["labels"] = json!({"app": "vllm", "llm-d.ai/role": role});
+        parse(v)
+    };
+    s.apply(Event::Init).unwrap();
+    s.apply(Event::InitApply(labelled("decode"))).unwrap();
+    let set = s.apply(Event::InitDone).unwrap().unwrap();
+    assert_eq!(set[0].config.role(), BackendRole::Decode);
+    let set = s.apply(Event::Apply(labelled("encode"))).unwrap().unwrap();
+    assert!(set.is_empty());
+    assert_eq!(s.apply(Event::Apply(labelled("encode"))).unwrap(), None);
+    assert_eq!(warned(), 1, "one warning per pod name");
+    s.apply(Event::Delete(labelled("encode"))).unwrap();
+    s.apply(Event::Apply(labelled("encode"))).unwrap();
+    assert_eq!(
+        warned(),
+        2,
+        "a pod deleted and created again is warned about again"
+    );
+}
