@@ -239,6 +239,7 @@ impl Config {
             session_header: self.session_header.clone(),
             session_from_user: self.session_from_user,
             priority: self.priority.clone(),
+            allow_client_kv_transfer_params: self.forward.allow_client_kv_transfer_params,
         }
     }
 }

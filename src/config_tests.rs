@@ -58,6 +58,14 @@ fn every_section_is_validated_and_named() {
     for (extra, field) in [
         ("[admin]\ndecisions = 10001\n", "admin.decisions"),
         ("[discovery]\nsource = \"dns\"\n", "discovery.dns.name"),
+        (
+            "[[backends]]\nurl = \"http://h:2\"\nrole = \"decoder\"\n",
+            "backends[1].role",
+        ),
+        (
+            "[discovery.backend_defaults]\nrole = \"prefil\"\n",
+            "discovery.backend_defaults.role",
+        ),
         ("[kv_events]\nquiet_ms = 0\n", "kv_events.quiet_ms"),
         (
             "[outlier_detection]\nmax_ejection_percent = 101\n",

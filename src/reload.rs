@@ -6,8 +6,8 @@
 //! and parameters are unchanged are kept, with their state — the prefix index survives a
 //! weight change), the per-backend and router-wide limits and the queue, retries and the retry
 //! budget, outlier detection, authentication keys and per-client limits, body and message
-//! limits, and the static `[[backends]]` (those that stay keep their in-flight counts, health
-//! and prefix records). What needs a restart, and is reported when it differs: the listener
+//! limits, whether client `kv_transfer_params` pass, and the static `[[backends]]` (those that
+//! stay keep their in-flight counts, health and prefix records). What needs a restart, and is reported when it differs: the listener
 //! addresses, the discovery source, the poller's timing, logging, and connection-level
 //! settings (timeouts, pools, TLS roots of the forwarder).
 //!

@@ -58,6 +58,7 @@ pub const KV_EVENT_ERRORS: &str = "inferlb_kv_event_errors_total";
 pub const KV_EVENT_GAPS: &str = "inferlb_kv_event_gaps_total";
 pub const KV_EVENT_RESETS: &str = "inferlb_kv_event_resets_total";
 pub const KV_PRECISE_DECISIONS: &str = "inferlb_prefix_precise_candidates_total";
+pub const KV_TRANSFER_PARAMS_STRIPPED: &str = "inferlb_kv_transfer_params_stripped_total";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -97,6 +98,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (KV_EVENT_ERRORS, "KV-event messages dropped, by kind (frames, too_large, decode)."),
     (KV_EVENT_GAPS, "Gaps in a backend's KV-event sequence (lost messages), replayed or not."),
     (KV_EVENT_RESETS, "KV-event sequences that went backwards (engine restarts): that backend's block store was cleared."),
+    (KV_TRANSFER_PARAMS_STRIPPED, "Client requests whose own top-level kv_transfer_params was removed before forwarding (forward.allow_client_kv_transfer_params is off)."),
     (KV_PRECISE_DECISIONS, "Candidates scored by the prefix scorer, by source (precise: from the backend's KV events; approximate: from the router's own index)."),
 ];
 

@@ -419,3 +419,89 @@ async fn the_per_backend_limit_is_exact_and_one_slot_admits_one_waiter() {
     })
     .await;
 }
+
+/// POST the raw `body` to `path` on the router; the status.
+async fn post_raw(router: &common::TestRouter, path: &str, body: &'static str) -> u16 {
+    client()
+        .post(router.url(path))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// The value of the unlabelled series `name` on `page` (0 when absent).
+fn unlabelled(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.split(' ').next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A client's own `kv_transfer_params` never reaches a backend: it names the host and port
+/// a vLLM decode engine would connect to. Chat, completions and another JSON `/v1/*` route
+/// each lose the key (and only it), and each removal is counted. (Seen failing with
+/// `client_body` returning the body unchanged: the backend got the key, the counter stayed 0.)
+/// This is the only test in this binary that strips, so the counter's value is exact.
+#[tokio::test]
+async fn a_client_kv_transfer_params_is_removed_on_every_route() {
+    let (fakes, router) = fleet(&["a"], |_| {}).await;
+    let a = &fakes[0];
+    let cases = [
+        (
+            "/v1/chat/completions",
+            r#"{"model":"m","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9","remote_port":5600},"messages":[{"role":"user","content":"hi"}],"seed":7}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"seed":7}"#,
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"m","prompt":"hi","kv_transfer_param\u0073":{"do_remote_decode":true},"max_tokens":3}"#,
+            r#"{"model":"m","prompt":"hi","max_tokens":3}"#,
+        ),
+        (
+            "/v1/embeddings",
+            r#"{"model":"m","input":"hi","kv_transfer_params":null}"#,
+            r#"{"model":"m","input":"hi"}"#,
+        ),
+    ];
+    for (n, (path, sent, expected)) in cases.into_iter().enumerate() {
+        assert_eq!(post_raw(&router, path, sent).await, 200, "{path}");
+        let got = a.nth_body(n + 1).await;
+        assert_eq!(std::str::from_utf8(&got).unwrap(), expected, "{path}");
+        let page = metrics_text(&router).await;
+        assert_eq!(
+            unlabelled(&page, "inferlb_kv_transfer_params_stripped_total"),
+            (n + 1) as f64,
+            "{path}"
+        );
+    }
+    router.shutdown().await;
+}
+
+/// With `forward.allow_client_kv_transfer_params`, the body goes through as sent; and a body
+/// without the key is always forwarded byte for byte (the zero-copy path: key order, spacing
+/// and number spellings untouched).
+#[tokio::test]
+async fn trusted_callers_keep_their_kv_transfer_params_and_other_bodies_are_untouched() {
+    let (fakes, router) = fleet(&["a"], |c| c.forward.allow_client_kv_transfer_params = true).await;
+    let a = &fakes[0];
+    let with = r#"{"model":"m",  "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[0,1]]},"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(post_raw(&router, "/v1/chat/completions", with).await, 200);
+    assert_eq!(&a.nth_body(1).await[..], with.as_bytes());
+    router.shutdown().await;
+
+    let (fakes, router) = fleet(&["b"], |_| {}).await;
+    let b = &fakes[0];
+    let without = r#"{ "seed": 1.0e3, "model":"m","messages":[{"role":"user","content":"h\u0069"}] ,"kv":{"kv_transfer_params":1}}"#;
+    assert_eq!(
+        post_raw(&router, "/v1/chat/completions", without).await,
+        200
+    );
+    b.nth_body(1).await;
+    let last = b.state.last_body.lock().unwrap().clone().unwrap();
+    assert_eq!(&last[..], without.as_bytes());
+    router.shutdown().await;
+}

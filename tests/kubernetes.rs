@@ -317,3 +317,49 @@ async fn follows_the_pods_an_inference_pool_selects_on_its_target_port() {
     }
     assert_eq!(pods[2].served(), 0);
 }
+
+/// The `llm-d.ai/role` Pod label: a Pod labelled `prefill` joins with role prefill, an
+/// unlabelled one as both, and one with another value is not an endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_role_label_gives_a_pod_its_role() {
+    let kube = FakeKube::start("prod").await;
+    let (a, b, c) = (
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+        PodServer::start("127.0.0.1").await,
+    );
+    kube.add_pod(
+        "vllm-p",
+        &[("app", "vllm"), ("llm-d.ai/role", "prefill")],
+        "127.0.0.1",
+        a.addr.port(),
+    );
+    kube.add_pod("vllm-any", APP, "127.0.0.1", b.addr.port());
+    kube.add_pod(
+        "vllm-odd",
+        &[("app", "vllm"), ("llm-d.ai/role", "encode")],
+        "127.0.0.1",
+        c.addr.port(),
+    );
+    let lb = tokio::task::block_in_place(|| {
+        start(
+            &kube,
+            "roles",
+            "namespace = \"prod\"\nlabel_selector = \"app=vllm\"\nport = \"http\"",
+            20,
+        )
+    });
+    lb.until_serving(&[url(&a), url(&b)]).await;
+    let v = lb.backends().await;
+    let role = |pod: &str| {
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["labels"]["pod"] == pod)
+            .map(|e| e["role"].clone())
+    };
+    assert_eq!(role("vllm-p"), Some("prefill".into()), "{v}");
+    assert_eq!(role("vllm-any"), Some("both".into()), "{v}");
+    assert_eq!(role("vllm-odd"), None, "{v}");
+}

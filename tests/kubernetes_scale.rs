@@ -58,6 +58,7 @@ async fn roll_in_process(n: u32, replaced: u32) -> (Duration, Duration, Duration
         port: PortRef::Number(8000),
         inference_pool: None,
         kubeconfig: Some(kube.kubeconfig(&temp_dir(&format!("cost-{n}")))),
+        ..Default::default()
     };
     let defaults = BackendDefaults {
         models: Some(vec!["m".into()]),

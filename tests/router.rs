@@ -381,3 +381,40 @@ async fn metrics_expose_inferlb_series_after_traffic() {
     assert!(page.contains("code=\"404\""), "{page}");
     router.shutdown().await;
 }
+
+/// Prefill/decode roles: until the router sends the prefill leg itself, an ordinary request
+/// never goes to a `prefill` backend (20 of 20 go to the `decode` one), `/admin/backends`
+/// shows each role, and a model only prefill backends serve is unavailable (503). (Seen
+/// failing with the role filter left out of the always-applied filters: the second request
+/// went to the prefill backend.)
+#[tokio::test]
+async fn ordinary_requests_never_go_to_a_prefill_backend() {
+    let p = FakeBackend::start("p", &["m", "only-p"]).await;
+    let d = FakeBackend::start("d", &["m"]).await;
+    let mut cfg = config(&[&p, &d]);
+    cfg.backends[0].role = Some("prefill".into());
+    cfg.backends[1].role = Some("decode".into());
+    let router = start_router(cfg).await;
+    until_all_healthy(&router).await;
+    let v = admin_view(&router).await;
+    let role_of = |url: &str| {
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["url"] == url)
+            .map(|b| b["role"].clone())
+            .unwrap()
+    };
+    assert_eq!(role_of(&p.url()), "prefill", "{v}");
+    assert_eq!(role_of(&d.url()), "decode", "{v}");
+    for i in 0..20 {
+        let (status, backend, _) = chat(&router, "m", &format!("hello {i}")).await;
+        assert_eq!(status, 200);
+        assert_eq!(backend.as_deref(), Some(d.url().as_str()), "request {i}");
+    }
+    assert_eq!(p.state.completions.load(Ordering::Relaxed), 0);
+    let (status, _, body) = chat(&router, "only-p", "hello").await;
+    assert_eq!(status, 503, "{body}");
+    router.shutdown().await;
+}

@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use crate::config_error::ConfigError;
-use crate::endpoints::config::default_engine;
+use crate::endpoints::config::{check_role, default_engine};
 use crate::endpoints::BackendConfig;
 
 /// Which discovery source fills the pool.
@@ -38,6 +38,10 @@ impl DiscoveryConfig {
     /// Builds the chosen source without starting it, which checks its settings (a `static`
     /// source has none: the composition checks that `[[backends]]` is not empty).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_role(
+            self.backend_defaults.role.as_deref(),
+            "discovery.backend_defaults.role",
+        )?;
         super::from_config(self).map(drop)
     }
 
@@ -101,6 +105,9 @@ pub struct BackendDefaults {
     pub scheme: String,
     /// CA bundle for `https` backends (default: `forward.ca_file`, else built-in roots).
     pub ca_file: Option<std::path::PathBuf>,
+    /// `prefill`, `decode` or `both` (unset: `both`) for backends whose source says nothing
+    /// (file entries may set their own; Kubernetes reads `role_label`).
+    pub role: Option<String>,
 }
 
 impl Default for BackendDefaults {
@@ -111,6 +118,7 @@ impl Default for BackendDefaults {
             models: None,
             scheme: "http".into(),
             ca_file: None,
+            role: None,
         }
     }
 }
@@ -131,6 +139,7 @@ impl BackendDefaults {
             ca_file: self.ca_file.clone(),
             kv_events: None,
             kv_events_replay: None,
+            role: self.role.clone(),
         }
     }
 }
@@ -193,6 +202,9 @@ pub struct KubernetesDiscoveryConfig {
     /// A kubeconfig file; default: in-cluster service account, then `KUBECONFIG`, then
     /// `~/.kube/config`.
     pub kubeconfig: Option<std::path::PathBuf>,
+    /// The Pod label naming its prefill/decode role (`prefill`, `decode` or `both`; no label:
+    /// `both`; any other value: the Pod is not used, with a warning).
+    pub role_label: String,
 }
 
 impl Default for KubernetesDiscoveryConfig {
@@ -203,6 +215,7 @@ impl Default for KubernetesDiscoveryConfig {
             port: PortRef::Number(8000),
             inference_pool: None,
             kubeconfig: None,
+            role_label: "llm-d.ai/role".into(),
         }
     }
 }

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
 use crate::config_error::ConfigError;
 use crate::discovery::{BackendDefaults, FileDiscoveryConfig};
+use crate::endpoints::config::check_role;
 use crate::endpoints::BackendConfig;
 
 /// Largest backend file read.
@@ -51,6 +52,8 @@ struct Entry {
     kv_events: Option<String>,
     #[serde(default)]
     kv_events_replay: Option<String>,
+    #[serde(default)]
+    role: Option<String>,
 }
 
 impl Entry {
@@ -63,6 +66,7 @@ impl Entry {
             ca_file: self.ca_file.or_else(|| d.ca_file.clone()),
             kv_events: self.kv_events,
             kv_events_replay: self.kv_events_replay,
+            role: self.role.or_else(|| d.role.clone()),
         }
     }
 }
@@ -76,6 +80,9 @@ pub fn parse(text: &str, json: bool, d: &BackendDefaults) -> Result<Vec<DesiredB
             .map_err(|e| e.message().to_owned())?
             .backends
     };
+    for (i, e) in entries.iter().enumerate() {
+        check_role(e.role.as_deref(), format!("backends[{i}].role")).map_err(|e| e.to_string())?;
+    }
     Ok(entries
         .into_iter()
         .map(|e| {
@@ -192,6 +199,29 @@ mod tests {
         );
         assert!(parse("[{\"uri\":\"x\"}]", true, &d).is_err());
         assert!(parse("", false, &d).unwrap().is_empty());
+    }
+
+    #[test]
+    fn entries_carry_a_role_or_the_default_one() {
+        let d = BackendDefaults {
+            role: Some("decode".into()),
+            ..BackendDefaults::default()
+        };
+        let j = parse(
+            r#"[{"url":"http://a:1","role":"prefill"},{"url":"http://b:1"}]"#,
+            true,
+            &d,
+        )
+        .unwrap();
+        assert_eq!(j[0].config.role(), crate::endpoints::BackendRole::Prefill);
+        assert_eq!(j[1].config.role(), crate::endpoints::BackendRole::Decode);
+        let err = parse(
+            r#"[{"url":"http://a:1"},{"url":"http://b:1","role":"p"}]"#,
+            true,
+            &d,
+        )
+        .unwrap_err();
+        assert!(err.contains("backends[1].role"), "{err}");
     }
 
     #[tokio::test]

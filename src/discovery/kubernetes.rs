@@ -11,8 +11,9 @@
 //! compacted while the watch was down): it retries the watch at the same version forever. So
 //! any `410` here, whatever its shape, drops the watcher and starts a new one, which lists.
 //!
-//! A Pod is an endpoint when it is `Running`, has a pod IP, its `Ready` condition is `True`
-//! and it has no `deletionTimestamp` (a terminating Pod leaves the set, so it drains).
+//! A Pod is an endpoint when it is `Running`, has a pod IP, its `Ready` condition is `True`,
+//! it has no `deletionTimestamp` (a terminating Pod leaves the set, so it drains) and its
+//! `role_label` (default `llm-d.ai/role`), if it has one, is `prefill`, `decode` or `both`.
 //! With `inference_pool`, the pool (`inference.networking.k8s.io/v1`) is read once when the
 //! source starts: its `spec.selector.matchLabels` select the Pods and its first
 //! `spec.targetPorts[].number` is the port. A changed pool is picked up by a restart (or a
@@ -32,6 +33,7 @@ use kube::runtime::WatchStreamExt;
 use super::{DesiredBackend, Discovery, DiscoveryError, NextSet};
 use crate::config_error::ConfigError;
 use crate::discovery::{BackendDefaults, KubernetesDiscoveryConfig, PortRef};
+use crate::endpoints::BackendRole;
 
 const SOURCE: &str = "kubernetes";
 
@@ -53,6 +55,8 @@ pub enum NotAnEndpoint {
     NoSuchPort(String),
     /// Neither a valid IP nor a port in 1..=65535.
     Invalid,
+    /// Its role label has a value other than `prefill`, `decode` or `both`.
+    UnknownRole(String),
 }
 
 /// The `(ip, port)` a Pod serves on, or why it does not count.
@@ -97,15 +101,32 @@ pub fn endpoint_of(pod: &Pod, port: &PortRef) -> Result<(IpAddr, u16), NotAnEndp
     Ok((ip, port))
 }
 
-/// The desired backend for a Pod, labelled `pod`, `namespace` (and `inference_pool`).
+/// The role a Pod's `role_label` names: `None` without the label (the defaults' role then
+/// applies, `both` unless configured), an error for a value that is no role.
+pub fn role_of(pod: &Pod, role_label: &str) -> Result<Option<BackendRole>, NotAnEndpoint> {
+    match pod.metadata.labels.as_ref().and_then(|l| l.get(role_label)) {
+        None => Ok(None),
+        Some(value) => BackendRole::parse(value)
+            .map(Some)
+            .ok_or_else(|| NotAnEndpoint::UnknownRole(value.clone())),
+    }
+}
+
+/// The desired backend for a Pod, labelled `pod`, `namespace` (and `inference_pool`), with
+/// the role its `role_label` names.
 pub fn backend_of(
     pod: &Pod,
     port: &PortRef,
     pool: Option<&str>,
     defaults: &BackendDefaults,
+    role_label: &str,
 ) -> Result<DesiredBackend, NotAnEndpoint> {
     let (ip, port) = endpoint_of(pod, port)?;
+    let role = role_of(pod, role_label)?;
     let mut b = DesiredBackend::new(defaults.backend(&ip.to_string(), port));
+    if let Some(role) = role {
+        b.config.role = Some(role.as_str().to_owned());
+    }
     if let Some(name) = &pod.metadata.name {
         b.labels.insert("pod".into(), name.clone());
     }
@@ -239,6 +260,8 @@ pub struct KubernetesDiscovery {
     over_cap: bool,
     /// An error met while folding a burst of events, reported on the next call.
     pending: Option<DiscoveryError>,
+    /// Pods already warned about for an unknown role value (once per pod name).
+    warned_role: std::collections::HashSet<String>,
 }
 
 impl KubernetesDiscovery {
@@ -274,6 +297,12 @@ impl KubernetesDiscovery {
             }
             _ => {}
         }
+        if cfg.role_label.is_empty() {
+            return Err(ConfigError::invalid(
+                "discovery.kubernetes.role_label",
+                "must not be empty",
+            ));
+        }
         match &cfg.port {
             PortRef::Number(0) => {
                 return Err(ConfigError::invalid(
@@ -299,6 +328,7 @@ impl KubernetesDiscovery {
             failures: 0,
             over_cap: false,
             pending: None,
+            warned_role: Default::default(),
         })
     }
 
@@ -329,14 +359,30 @@ impl KubernetesDiscovery {
         Ok(watcher::watcher(pods, wc).default_backoff().boxed())
     }
 
-    fn backend(&self, pod: &Pod) -> Option<DesiredBackend> {
+    fn backend(&mut self, pod: &Pod) -> Option<DesiredBackend> {
         match backend_of(
             pod,
             &self.port,
             self.cfg.inference_pool.as_deref(),
             &self.defaults,
+            &self.cfg.role_label,
         ) {
             Ok(b) => Some(b),
+            Err(NotAnEndpoint::UnknownRole(value)) => {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                if self.warned_role.len() >= MAX_PODS {
+                    self.warned_role.clear();
+                }
+                if self.warned_role.insert(name.clone()) {
+                    tracing::warn!(
+                        pod = %name,
+                        label = %self.cfg.role_label,
+                        value = %value,
+                        "pod is not an endpoint: its role label must be prefill, decode or both"
+                    );
+                }
+                None
+            }
             Err(why) => {
                 tracing::debug!(pod = ?pod.metadata.name, ?why, "pod is not an endpoint");
                 None
@@ -386,6 +432,9 @@ impl KubernetesDiscovery {
                 Ok(changed.then(|| self.set()))
             }
             Event::Delete(pod) => {
+                if let Some(name) = &pod.metadata.name {
+                    self.warned_role.remove(name);
+                }
                 let removed = pod
                     .metadata
                     .name

@@ -15,6 +15,58 @@ pub(crate) fn default_engine() -> String {
     DEFAULT_ENGINE.into()
 }
 
+/// What a backend does when prefill and decode are disaggregated (`role` in `[[backends]]`,
+/// `discovery.backend_defaults` and file entries; the `llm-d.ai/role` Pod label).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum BackendRole {
+    /// Only the prefill leg of a disaggregated request: never an ordinary request.
+    Prefill,
+    /// Decode legs, and ordinary requests.
+    Decode,
+    /// Anything (the default).
+    #[default]
+    Both,
+}
+
+impl BackendRole {
+    /// The accepted spellings, for error messages.
+    pub const VALUES: &'static str = "`prefill`, `decode` or `both`";
+
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "prefill" => Some(BackendRole::Prefill),
+            "decode" => Some(BackendRole::Decode),
+            "both" => Some(BackendRole::Both),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendRole::Prefill => "prefill",
+            BackendRole::Decode => "decode",
+            BackendRole::Both => "both",
+        }
+    }
+
+    /// May it serve a whole request (prompt and generation)?
+    pub fn serves_whole_requests(self) -> bool {
+        self != BackendRole::Prefill
+    }
+}
+
+/// A `role` setting as written (`None`: unset, i.e. `both`), checked by [`check_role`] so the
+/// error names the field rather than a TOML line.
+pub(crate) fn check_role(role: Option<&str>, field: impl Into<String>) -> Result<(), ConfigError> {
+    match role {
+        Some(r) if BackendRole::parse(r).is_none() => Err(ConfigError::invalid(
+            field,
+            format!("unknown role `{r}`: must be {}", BackendRole::VALUES),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// One backend server.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -42,6 +94,9 @@ pub struct BackendConfig {
     /// `"auto"` or `kv_events.replay`.
     #[serde(default)]
     pub kv_events_replay: Option<String>,
+    /// `prefill`, `decode` or `both` (unset: `both`); see [`BackendRole`].
+    #[serde(default)]
+    pub role: Option<String>,
 }
 
 impl BackendConfig {
@@ -54,7 +109,16 @@ impl BackendConfig {
             ca_file: None,
             kv_events: None,
             kv_events_replay: None,
+            role: None,
         }
+    }
+
+    /// Its [`BackendRole`] (`both` when unset; an unknown value is refused by `validate`).
+    pub fn role(&self) -> BackendRole {
+        self.role
+            .as_deref()
+            .and_then(BackendRole::parse)
+            .unwrap_or_default()
     }
 
     /// The checks of its own fields, as `backends[index]` (its engine and KV-event stream
@@ -68,6 +132,7 @@ impl BackendConfig {
                 "set on a backend whose URL is not https://",
             ));
         }
+        check_role(self.role.as_deref(), format!("backends[{index}].role"))?;
         Ok(())
     }
 }
@@ -207,6 +272,28 @@ mod tests {
             toml::from_str("url = \"http://h:1\"\nca_file = \"/etc/ca.pem\"\n").unwrap();
         let err = b.validate(3).unwrap_err().to_string();
         assert!(err.contains("backends[3].ca_file"), "{err}");
+    }
+
+    #[test]
+    fn role_parses_defaults_to_both_and_a_bad_one_is_named() {
+        let b: BackendConfig = toml::from_str("url = \"http://h:1\"\n").unwrap();
+        assert_eq!(b.role(), BackendRole::Both);
+        for (text, role) in [
+            ("prefill", BackendRole::Prefill),
+            ("decode", BackendRole::Decode),
+            ("both", BackendRole::Both),
+        ] {
+            let b: BackendConfig =
+                toml::from_str(&format!("url = \"http://h:1\"\nrole = \"{text}\"\n")).unwrap();
+            b.validate(0).unwrap();
+            assert_eq!(b.role(), role);
+            assert_eq!(role.as_str(), text);
+        }
+        let b: BackendConfig =
+            toml::from_str("url = \"http://h:1\"\nrole = \"prefill-decode\"\n").unwrap();
+        let err = b.validate(2).unwrap_err().to_string();
+        assert!(err.contains("backends[2].role"), "{err}");
+        assert!(err.contains("prefill-decode"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub mod poller;
 pub mod prometheus;
 pub mod sent_work;
 
-pub use config::{BackendConfig, OutlierConfig, PollerConfig};
+pub use config::{BackendConfig, BackendRole, OutlierConfig, PollerConfig};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -165,6 +165,8 @@ pub struct Backend {
     pub authorization: Option<HeaderValue>,
     /// Models fixed by config: discovery is skipped when set.
     pub static_models: bool,
+    /// Prefill, decode or both (from its config; see [`BackendRole`]).
+    pub role: BackendRole,
     state: ArcSwap<BackendState>,
     inflight: AtomicU64,
     inflight_gauge: metrics::Gauge,
@@ -253,6 +255,7 @@ impl Backend {
             engine,
             authorization,
             static_models: config.models.is_some(),
+            role: config.role(),
             state: ArcSwap::from_pointee(BackendState::initial(
                 config.models.as_deref(),
                 fresh_epoch_base(),

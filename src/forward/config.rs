@@ -41,6 +41,9 @@ pub struct ForwardConfig {
     /// PEM file of the CAs trusted for `https://` backends without a `ca_file` of their own
     /// (unset: the built-in Mozilla roots).
     pub ca_file: Option<std::path::PathBuf>,
+    /// Forward a client's own top-level `kv_transfer_params` to backends (off: it is removed;
+    /// see `crate::forward::kv_params` for why).
+    pub allow_client_kv_transfer_params: bool,
 }
 
 impl Default for ForwardConfig {
@@ -61,6 +64,7 @@ impl Default for ForwardConfig {
             backoff_base_ms: 20,
             backoff_max_ms: 500,
             ca_file: None,
+            allow_client_kv_transfer_params: false,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Forwarding: send a scheduled request to its backend over pooled keep-alive connections and
 //! stream the answer back.
 //!
-//! The request body is the client's original bytes (read once by the front door); the
+//! The request body is the client's original bytes (read once by the front door), less a
+//! client's own `kv_transfer_params` ([`kv_params`]); the
 //! response body streams frame by frame through [`body::GuardedBody`], so Server-Sent Events
 //! reach the client as the backend emits them. The [`Forwarder`] is a tower `Service`; the
 //! scheduler wraps it as a `Layer` and retries connection failures on another backend.
@@ -9,6 +10,7 @@
 pub mod body;
 pub mod config;
 pub mod headers;
+pub mod kv_params;
 pub mod pool;
 pub mod tls;
 

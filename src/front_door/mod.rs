@@ -48,6 +48,8 @@ pub struct Settings {
     pub session_header: String,
     pub session_from_user: bool,
     pub priority: crate::scheduling::priority::PriorityConfig,
+    /// `forward.allow_client_kv_transfer_params`.
+    pub allow_client_kv_transfer_params: bool,
 }
 
 /// Everything a handler needs; shared by all requests.
@@ -287,6 +289,11 @@ async fn forward(
     facts.prompt_bytes = view.routing_text.as_ref().map_or(0, String::len);
     // Only a model some backend lists may become a label; anything else is `other`.
     *model_label = view.model.clone().filter(|m| app.pool.lists_model(m));
+    let body = crate::forward::kv_params::client_body(
+        body,
+        view.kv_transfer_params,
+        config.allow_client_kv_transfer_params,
+    )?;
     let request = ProxyRequest {
         method: parts.method,
         path_and_query,
@@ -442,6 +449,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                 "url": b.name,
                 "id": b.id,
                 "source": b.origin.source,
+                "role": b.role.as_str(),
                 "labels": crate::endpoints::membership::labels_json(&b.origin.labels),
                 "joined_unix": joined,
                 "draining": b.is_draining(),

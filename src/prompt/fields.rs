@@ -104,6 +104,18 @@ fn drain_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
     Ok(())
 }
 
+/// Whether a top-level key is in the body at all, whatever its value (`null` included); the
+/// value itself is skipped without being kept.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Present(pub bool);
+
+impl<'de> Deserialize<'de> for Present {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        IgnoredAny::deserialize(d)?;
+        Ok(Present(true))
+    }
+}
+
 /// A token id (`u32`), or `None` for any other value (skipped).
 struct TokenId(Option<u32>);
 

@@ -33,7 +33,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::Error;
 use crate::tokenization::PromptTokens;
-use fields::{invalid_param, Bounded, Numbers, Prompt, PROMPT_SHAPES};
+use fields::{invalid_param, Bounded, Numbers, Present, Prompt, PROMPT_SHAPES};
 pub use fields::{ParseLimits, MAX_MESSAGES_CEILING};
 
 /// Deepest nesting of arrays and objects in `body`, counting only brackets outside strings.
@@ -92,6 +92,9 @@ pub struct RequestView {
     /// Who sent the request (XXH3 of the API key, else of the client address); set by the
     /// front door, the unit of fairness in the capacity queue.
     pub tenant: u64,
+    /// The body's top-level object has a `kv_transfer_params` key (noted while parsing; the
+    /// forward stage removes it unless configured otherwise, see `crate::forward::kv_params`).
+    pub kv_transfer_params: bool,
 }
 
 impl RequestView {
@@ -152,6 +155,7 @@ impl RequestView {
             session: None,
             priority: 0,
             tenant: 0,
+            kv_transfer_params: false,
         }
     }
 }
@@ -193,6 +197,8 @@ struct ChatBody<'a> {
     max_completion_tokens: Option<f64>,
     #[serde(default)]
     n: Option<f64>,
+    #[serde(default)]
+    kv_transfer_params: Present,
 }
 
 #[derive(Deserialize)]
@@ -340,6 +346,7 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         session: None,
         priority: 0,
         tenant: 0,
+        kv_transfer_params: chat.kv_transfer_params.0,
     })
 }
 
@@ -417,6 +424,8 @@ struct CompletionBody<'a> {
     max_tokens: Option<f64>,
     #[serde(default)]
     n: Option<f64>,
+    #[serde(default)]
+    kv_transfer_params: Present,
 }
 
 fn push_tokens(tokens: &[u32], out: &mut String) {
@@ -479,6 +488,7 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         session: None,
         priority: 0,
         tenant: 0,
+        kv_transfer_params: req.kv_transfer_params.0,
     })
 }
 
@@ -489,16 +499,19 @@ struct OtherBody<'a> {
     /// A string; its hash may key the session.
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+    #[serde(default)]
+    kv_transfer_params: Present,
 }
 
 fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
-    let (model, user) = if body.iter().all(u8::is_ascii_whitespace) {
-        (None, None)
+    let (model, user, kv_transfer_params) = if body.iter().all(u8::is_ascii_whitespace) {
+        (None, None, false)
     } else {
         let req: OtherBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
         (
             req.model.map(Cow::into_owned),
             req.user.map(|u| xxh3_64(u.as_bytes())),
+            req.kv_transfer_params.0,
         )
     };
     Ok(RequestView {
@@ -511,6 +524,7 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         session: None,
         priority: 0,
         tenant: 0,
+        kv_transfer_params,
     })
 }
 

@@ -359,3 +359,40 @@ fn json_depth_counts_outside_strings() {
     assert_eq!(json_depth(b"plain"), 0);
     assert_eq!(json_depth(&b"[".repeat(1000)), 1000);
 }
+
+#[test]
+fn notes_a_top_level_kv_transfer_params_whatever_its_value() {
+    let cases = [
+        (
+            Operation::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":"x"}],"kv_transfer_params":null}"#,
+            true,
+        ),
+        (
+            Operation::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":"x","kv_transfer_params":{}}]}"#,
+            false,
+        ),
+        (
+            Operation::Completions,
+            r#"{"prompt":"x","kv_transfer_param\u0073":{"remote_host":"h"}}"#,
+            true,
+        ),
+        (Operation::Completions, r#"{"prompt":"x"}"#, false),
+        (
+            Operation::Other,
+            r#"{"input":"x","kv_transfer_params":[]}"#,
+            true,
+        ),
+        (
+            Operation::Other,
+            r#"{"input":{"kv_transfer_params":1}}"#,
+            false,
+        ),
+        (Operation::Other, "", false),
+    ];
+    for (op, body, present) in cases {
+        let view = RequestView::parse(op, body.as_bytes()).unwrap();
+        assert_eq!(view.kv_transfer_params, present, "{body}");
+    }
+}

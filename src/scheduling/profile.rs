@@ -2,8 +2,9 @@
 //!
 //! `total(c) = Σ weightᵢ × clamp(scoreᵢ(c), 0, 1)` is computed here and only here. Profiles
 //! are built from the EndpointPickerConfig-shaped `plugins` / `scheduling_profiles` tables;
-//! the health and model filters are always applied first, whether a profile names them or not,
-//! because no weighting may send a request to a dead backend or one without the model.
+//! the health, model and role filters are always applied first, whether a profile names them
+//! or not, because no weighting may send a request to a dead backend, one without the model,
+//! or a prefill-only one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use super::framework::{
     CycleState, Filter, Link, Picker, Plugin, PluginInstance, Rejection, Scorer,
 };
 use super::plugins::filter::{
-    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, role::RoleFilter,
     saturation::SaturationFilter,
 };
 use super::plugins::picker::max_score::MaxScorePicker;
@@ -495,7 +496,8 @@ fn build_profile(
             }
         }
     }
-    // Health and model are not optional: prepend them unless the profile already has them.
+    // Health, model and role are not optional: prepend them unless the profile already has
+    // them.
     let has = |t: &str| filters.iter().any(|f| f.type_name() == t);
     let mut mandatory: Vec<Arc<dyn Filter>> = Vec::new();
     if !has(HealthyFilter::TYPE) {
@@ -503,6 +505,9 @@ fn build_profile(
     }
     if !has(ModelFilter::TYPE) {
         mandatory.push(Arc::new(ModelFilter::new(ModelFilter::TYPE)));
+    }
+    if !has(RoleFilter::TYPE) {
+        mandatory.push(Arc::new(RoleFilter::new(RoleFilter::TYPE)));
     }
     mandatory.extend(filters);
     // The hard per-backend limit comes last, so "everyone is full" can be told apart from

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::framework::{PluginInstance, Role};
 use super::plugins::filter::{
-    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter,
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, role::RoleFilter,
     saturation::SaturationFilter,
 };
 use super::plugins::picker::{
@@ -80,6 +80,7 @@ macro_rules! with_parameters {
 pub const REGISTRY: &[Registration] = &[
     plain!(HealthyFilter, Filter),
     plain!(ModelFilter, Filter),
+    plain!(RoleFilter, Filter),
     with_parameters!(SaturationFilter, Filter, "max_waiting = 8.0"),
     with_parameters!(CapacityFilter, Filter, "max_inflight = 4"),
     plain!(KvCacheUtilizationScorer, Scorer),

@@ -27,18 +27,61 @@ fn num(n: u16) -> PortRef {
 }
 
 #[test]
+fn the_role_label_sets_the_role_and_an_unknown_value_excludes_the_pod() {
+    let d = BackendDefaults::default();
+    let with = |value: Option<&str>| {
+        let mut v = pod("vllm-0", "10.1.2.3");
+        if let Some(value) = value {
+            v["metadata"]["labels"] = json!({"llm-d.ai/role": value, "app": "vllm"});
+        }
+        parse(v)
+    };
+    let role =
+        |p: &Pod| backend_of(p, &num(8000), None, &d, "llm-d.ai/role").map(|b| b.config.role());
+    assert_eq!(role(&with(None)), Ok(BackendRole::Both));
+    assert_eq!(role(&with(Some("prefill"))), Ok(BackendRole::Prefill));
+    assert_eq!(role(&with(Some("decode"))), Ok(BackendRole::Decode));
+    assert_eq!(role(&with(Some("both"))), Ok(BackendRole::Both));
+    assert_eq!(
+        role(&with(Some("encode"))),
+        Err(NotAnEndpoint::UnknownRole("encode".into()))
+    );
+    // Another label key: the label is absent, so the defaults' role.
+    let decode = BackendDefaults {
+        role: Some("decode".into()),
+        ..BackendDefaults::default()
+    };
+    let b = backend_of(&with(Some("prefill")), &num(8000), None, &decode, "role").unwrap();
+    assert_eq!(b.config.role(), BackendRole::Decode);
+}
+
+#[test]
 fn a_ready_running_pod_is_an_endpoint() {
     let p = parse(pod("vllm-0", "10.1.2.3"));
     assert_eq!(
         endpoint_of(&p, &num(8000)),
         Ok(("10.1.2.3".parse().unwrap(), 8000))
     );
-    let b = backend_of(&p, &num(8000), None, &BackendDefaults::default()).unwrap();
+    let b = backend_of(
+        &p,
+        &num(8000),
+        None,
+        &BackendDefaults::default(),
+        "llm-d.ai/role",
+    )
+    .unwrap();
     assert_eq!(b.config.url, "http://10.1.2.3:8000");
     assert_eq!(b.labels["pod"], "vllm-0");
     assert_eq!(b.labels["namespace"], "prod");
     assert!(!b.labels.contains_key("inference_pool"));
-    let b = backend_of(&p, &num(8000), Some("pool"), &BackendDefaults::default()).unwrap();
+    let b = backend_of(
+        &p,
+        &num(8000),
+        Some("pool"),
+        &BackendDefaults::default(),
+        "llm-d.ai/role",
+    )
+    .unwrap();
     assert_eq!(b.labels["inference_pool"], "pool");
 }
 
@@ -121,7 +164,14 @@ fn a_port_by_name_is_looked_up_in_the_containers() {
 #[test]
 fn an_ipv6_pod_ip_is_bracketed_in_the_url() {
     let p = parse(pod("vllm-0", "fd00::1:2"));
-    let b = backend_of(&p, &num(8000), None, &BackendDefaults::default()).unwrap();
+    let b = backend_of(
+        &p,
+        &num(8000),
+        None,
+        &BackendDefaults::default(),
+        "llm-d.ai/role",
+    )
+    .unwrap();
     assert_eq!(b.config.url, "http://[fd00::1:2]:8000");
 }
 
@@ -211,4 +261,45 @@ fn config_needs_a_selector_or_a_pool_not_both() {
         ..Default::default()
     };
     assert!(KubernetesDiscovery::new(&pool, &d).is_ok());
+}
+
+/// Counts the warnings logged while it is the subscriber.
+struct Warnings(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *e.metadata().level() == tracing::Level::WARN {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn a_pod_whose_role_turns_unknown_leaves_and_is_warned_about_once() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let warnings = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let subscriber = tracing_subscriber::registry().with(Warnings(warnings.clone()));
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let warned = || warnings.load(std::sync::atomic::Ordering::Relaxed);
+    let mut s = source();
+    let labelled = |role: &str| {
+        let mut v = pod("a", "10.0.0.1");
+        v["metadata"]["labels"] = json!({"app": "vllm", "llm-d.ai/role": role});
+        parse(v)
+    };
+    s.apply(Event::Init).unwrap();
+    s.apply(Event::InitApply(labelled("decode"))).unwrap();
+    let set = s.apply(Event::InitDone).unwrap().unwrap();
+    assert_eq!(set[0].config.role(), BackendRole::Decode);
+    let set = s.apply(Event::Apply(labelled("encode"))).unwrap().unwrap();
+    assert!(set.is_empty());
+    assert_eq!(s.apply(Event::Apply(labelled("encode"))).unwrap(), None);
+    assert_eq!(warned(), 1, "one warning per pod name");
+    s.apply(Event::Delete(labelled("encode"))).unwrap();
+    s.apply(Event::Apply(labelled("encode"))).unwrap();
+    assert_eq!(
+        warned(),
+        2,
+        "a pod deleted and created again is warned about again"
+    );
 }

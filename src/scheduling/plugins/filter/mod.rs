@@ -2,4 +2,5 @@
 pub mod capacity;
 pub mod healthy;
 pub mod model;
+pub mod role;
 pub mod saturation;
