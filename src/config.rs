@@ -23,6 +23,7 @@
 //! | `[discovery]` | [`DiscoveryConfig`] | [`crate::discovery::config`] |
 //! | `[kv_events]` | [`KvEventsConfig`] | [`crate::kv_events`] |
 //! | `[tokenization]` | [`TokenizationConfig`] | [`crate::tokenization`] |
+//! | `[pd]` | [`PdConfig`] | [`crate::pd`] |
 //!
 //! The flow is parse → defaults → CLI overrides → validate → build. Every struct denies
 //! unknown fields, so a typo in `config.toml` stops the router at start with a message that
@@ -46,6 +47,7 @@ pub use crate::endpoints::{BackendConfig, OutlierConfig, PollerConfig};
 pub use crate::forward::ForwardConfig;
 pub use crate::front_door::{auth::AuthConfig, serve::ServerConfig, status::AdminConfig};
 pub use crate::kv_events::KvEventsConfig;
+pub use crate::pd::PdConfig;
 pub use crate::scheduling::admission::LimitsConfig;
 pub use crate::scheduling::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
 pub use crate::scheduling::priority::{KeyPriority, PriorityConfig};
@@ -99,6 +101,8 @@ pub struct Config {
     pub tokenization: TokenizationConfig,
     /// `[kv_events]`: subscribing to the backends' KV-cache event streams (precise prefix routing).
     pub kv_events: KvEventsConfig,
+    /// `[pd]`: prefill/decode disaggregation (off by default).
+    pub pd: PdConfig,
 }
 
 impl Default for Config {
@@ -129,6 +133,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             tokenization: TokenizationConfig::default(),
             kv_events: KvEventsConfig::default(),
+            pd: PdConfig::default(),
         }
     }
 }
@@ -196,6 +201,7 @@ impl Config {
             })?;
         }
         self.priority.validate()?;
+        self.pd.validate()?;
         Ok(())
     }
 

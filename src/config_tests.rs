@@ -67,6 +67,11 @@ fn every_section_is_validated_and_named() {
             "discovery.backend_defaults.role",
         ),
         ("[kv_events]\nquiet_ms = 0\n", "kv_events.quiet_ms"),
+        ("[pd]\nprefill_timeout_ms = 0\n", "pd.prefill_timeout_ms"),
+        (
+            "[pd]\nmax_prefill_queue_tokens = 0\n",
+            "pd.max_prefill_queue_tokens",
+        ),
         (
             "[outlier_detection]\nmax_ejection_percent = 101\n",
             "outlier_detection.max_ejection_percent",

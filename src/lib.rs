@@ -50,6 +50,7 @@ pub mod error;
 pub mod forward;
 pub mod front_door;
 pub mod kv_events;
+pub mod pd;
 pub mod prompt;
 pub mod reload;
 pub mod scheduling;
@@ -172,6 +173,7 @@ pub async fn run_reloadable(
         &config.limits,
         &config.outlier_detection,
         &config.priority,
+        &config.pd,
     );
     let service = tower::ServiceBuilder::new()
         .layer(layer.clone())

@@ -70,6 +70,7 @@ impl Live {
             &next.limits,
             &next.outlier_detection,
             &next.priority,
+            &next.pd,
         );
         self.forwarder.set_outlier(&next.outlier_detection);
         if next.discovery.source == DiscoverySource::Static {

@@ -59,6 +59,8 @@ pub const KV_EVENT_GAPS: &str = "inferlb_kv_event_gaps_total";
 pub const KV_EVENT_RESETS: &str = "inferlb_kv_event_resets_total";
 pub const KV_PRECISE_DECISIONS: &str = "inferlb_prefix_precise_candidates_total";
 pub const KV_TRANSFER_PARAMS_STRIPPED: &str = "inferlb_kv_transfer_params_stripped_total";
+pub const PD_REQUESTS: &str = "inferlb_pd_requests_total";
+pub const PD_STEP_DURATION: &str = "inferlb_pd_step_duration_seconds";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -99,6 +101,8 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (KV_EVENT_GAPS, "Gaps in a backend's KV-event sequence (lost messages), replayed or not."),
     (KV_EVENT_RESETS, "KV-event sequences that went backwards (engine restarts): that backend's block store was cleared."),
     (KV_TRANSFER_PARAMS_STRIPPED, "Client requests whose own top-level kv_transfer_params was removed before forwarding (forward.allow_client_kv_transfer_params is off)."),
+    (PD_REQUESTS, "Chat and completions requests while [pd] is enabled with prefill backends, by path (disaggregated: prefill and decode on two backends; local: colocated by the rule; fallback: the prefill step failed, served colocated)."),
+    (PD_STEP_DURATION, "Time of one step of a disaggregated request, by step (prefill: until the prefill answer is read; decode: until the decode backend's response head)."),
     (KV_PRECISE_DECISIONS, "Candidates scored by the prefix scorer, by source (precise: from the backend's KV events; approximate: from the router's own index)."),
 ];
 

@@ -382,7 +382,7 @@ async fn metrics_expose_inferlb_series_after_traffic() {
     router.shutdown().await;
 }
 
-/// Prefill/decode roles: until the router sends the prefill leg itself, an ordinary request
+/// Prefill/decode roles: with `[pd]` off (the default), an ordinary request
 /// never goes to a `prefill` backend (20 of 20 go to the `decode` one), `/admin/backends`
 /// shows each role, and a model only prefill backends serve is unavailable (503). (Seen
 /// failing with the role filter left out of the always-applied filters: the second request

@@ -144,6 +144,11 @@ impl Charge {
         }
     }
 
+    /// The prompt's length in tokens (what the request decodes against).
+    pub fn context(&self) -> u64 {
+        self.context
+    }
+
     /// The first byte of the response arrived: the prefill is done and the request decodes.
     /// Idempotent.
     pub fn first_token(&mut self) {

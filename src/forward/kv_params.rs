@@ -15,12 +15,9 @@
 //! others are written back in their order, byte for byte. The body is bounded by
 //! `max_body_bytes`, so this is at most one more linear pass.
 
-use std::fmt;
-
 use bytes::Bytes;
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
-use serde_json::value::RawValue;
 
+use super::json_object::{self, Members};
 use crate::error::Error;
 use crate::telemetry as t;
 
@@ -39,49 +36,18 @@ pub fn client_body(body: Bytes, present: bool, allow: bool) -> Result<Bytes, Err
     Ok(Bytes::from(stripped))
 }
 
-/// The top-level members of a JSON object, values unparsed.
-struct Members<'a>(Vec<(String, &'a RawValue)>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
-            type Value = Members<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members<'a>, A::Error> {
-                let mut members = Vec::new();
-                while let Some((key, value)) = map.next_entry::<String, &'a RawValue>()? {
-                    members.push((key, value));
-                }
-                Ok(Members(members))
-            }
-        }
-        d.deserialize_map(V(std::marker::PhantomData))
-    }
-}
-
 /// `body` (a JSON object) without any top-level [`FIELD`] member. Keys are compared after
 /// JSON unescaping, as the backend's parser compares them, so `"kv_transfer_param\u0073"` goes too.
 fn without_field(body: &[u8]) -> Result<Vec<u8>, Error> {
-    let Members(members) = serde_json::from_slice(body).map_err(|e| {
+    let Members(members) = Members::parse(body).map_err(|e| {
         Error::InvalidRequest(format!("the request body must be a JSON object: {e}"))
     })?;
-    let mut out = Vec::with_capacity(body.len());
-    out.push(b'{');
-    let mut first = true;
-    for (key, value) in members.iter().filter(|(key, _)| key != FIELD) {
-        if !first {
-            out.push(b',');
-        }
-        first = false;
-        serde_json::to_writer(&mut out, key).map_err(|e| Error::Internal(e.to_string()))?;
-        out.push(b':');
-        out.extend_from_slice(value.get().as_bytes());
-    }
-    out.push(b'}');
-    Ok(out)
+    Ok(json_object::write(
+        members
+            .iter()
+            .filter(|(key, _)| key != FIELD)
+            .map(|(key, value)| (key.as_str(), value.get())),
+    ))
 }
 
 #[cfg(test)]

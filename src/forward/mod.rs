@@ -10,6 +10,7 @@
 pub mod body;
 pub mod config;
 pub mod headers;
+pub mod json_object;
 pub mod kv_params;
 pub mod pool;
 pub mod tls;

@@ -5,7 +5,8 @@
 //! The line is written when the response body ends (or the client goes away), so it carries
 //! the time to the first body byte and the whole duration: request id, model (a label-safe
 //! name: `other` unless some backend lists it), backend, status, scheduling decisions made
-//! (`attempts`), prompt length and the prefix blocks matched on the chosen backend.
+//! (`attempts`), prompt length, the prefix blocks matched on the chosen backend and, for
+//! prefill/decode disaggregation, the path taken (`pd`) and the prefill backend.
 //!
 //! The filter decides whether the line is wanted ([`enabled`], a `tracing` check); the line
 //! itself is laid out by hand (`telemetry::line`, in the subscriber's text or JSON layout) and
@@ -43,6 +44,8 @@ pub struct Entry {
     pub attempts: u32,
     pub prompt_bytes: usize,
     pub prefix_matched: Option<(u32, u32)>,
+    /// The prefill/decode path, when `[pd]` applied.
+    pub pd: Option<crate::scheduling::profile::decisions::PdStep>,
 }
 
 thread_local! {
@@ -90,6 +93,12 @@ impl Entry {
         if let Some((matched, blocks)) = self.prefix_matched {
             l.u64("prefix_blocks_matched", u64::from(matched))
                 .u64("prefix_blocks", u64::from(blocks));
+        }
+        if let Some(pd) = &self.pd {
+            l.str("pd", pd.path);
+            if let Some(prefill) = &pd.prefill_backend {
+                l.str("prefill_backend", prefill);
+            }
         }
         l.bool("completed", completed);
         l.finish();

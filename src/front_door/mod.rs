@@ -175,7 +175,7 @@ async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Re
     let mut response = count(&app, result, model.clone());
     if explain {
         let summary = match trace.last_decision() {
-            Some(record) => decisions::summary(&record, trace.picks(), 4096),
+            Some(record) => decisions::summary(&record, trace.picks(), trace.pd().as_ref(), 4096),
             None => "none (no scheduling decision was made for this request)".to_owned(),
         };
         if let Ok(value) = HeaderValue::from_str(&summary) {
@@ -193,6 +193,7 @@ async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Re
         attempts: trace.picks(),
         prompt_bytes: facts.prompt_bytes,
         prefix_matched: trace.prefix(),
+        pd: trace.pd(),
     };
     access::log_at_end(response, entry, received_at)
 }

@@ -95,6 +95,9 @@ pub struct RequestView {
     /// The body's top-level object has a `kv_transfer_params` key (noted while parsing; the
     /// forward stage removes it unless configured otherwise, see `crate::forward::kv_params`).
     pub kv_transfer_params: bool,
+    /// This is the prefill step of a disaggregated request (`crate::pd`): the role filter
+    /// keeps only `prefill` backends. Never set by the parser.
+    pub prefill_leg: bool,
 }
 
 impl RequestView {
@@ -156,6 +159,7 @@ impl RequestView {
             priority: 0,
             tenant: 0,
             kv_transfer_params: false,
+            prefill_leg: false,
         }
     }
 }
@@ -347,6 +351,7 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params: chat.kv_transfer_params.0,
+        prefill_leg: false,
     })
 }
 
@@ -489,6 +494,7 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params: req.kv_transfer_params.0,
+        prefill_leg: false,
     })
 }
 
@@ -525,6 +531,7 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params,
+        prefill_leg: false,
     })
 }
 

@@ -227,6 +227,17 @@ pub struct RequestTrace {
     prefix_matched: AtomicU32,
     prefix_blocks: AtomicU32,
     last: Mutex<Option<Arc<DecisionRecord>>>,
+    /// The prefill/decode path of the last attempt sent, when `[pd]` applied to it.
+    pd: Mutex<Option<PdStep>>,
+}
+
+/// How a request's last attempt went under prefill/decode disaggregation (`crate::pd`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PdStep {
+    /// `disaggregated`, `local` or `fallback`.
+    pub path: &'static str,
+    /// The backend the prefill step went to (also when it failed).
+    pub prefill_backend: Option<String>,
 }
 
 impl RequestTrace {
@@ -246,6 +257,11 @@ impl RequestTrace {
     pub fn prefix(&self) -> Option<(u32, u32)> {
         let blocks = self.prefix_blocks.load(Ordering::Relaxed);
         (blocks > 0).then(|| (self.prefix_matched.load(Ordering::Relaxed), blocks))
+    }
+
+    /// The prefill/decode path of the last attempt sent (`None`: `[pd]` did not apply).
+    pub fn pd(&self) -> Option<PdStep> {
+        self.pd.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The last decision made for the request, when it asked for an explanation.
@@ -269,6 +285,21 @@ pub fn want_explanation() -> bool {
     REQUEST.try_with(|r| r.explain).unwrap_or(false)
 }
 
+/// Run `f` (a decision made on the request's behalf that is not its own pick, e.g. the
+/// prefill step's backend) with a trace of its own, so it changes neither the request's
+/// decision count, its prefix match nor the decision its explain header shows. Its record
+/// still goes into the ring when that is recording.
+pub fn aside<R>(f: impl FnOnce() -> R) -> R {
+    REQUEST.sync_scope(RequestTrace::new(want_explanation()), f)
+}
+
+/// The prefill/decode path of the attempt being sent.
+pub fn note_pd(step: PdStep) {
+    let _ = REQUEST.try_with(|r| {
+        *r.pd.lock().unwrap_or_else(|e| e.into_inner()) = Some(step);
+    });
+}
+
 /// A decision picked a backend for the current request.
 pub fn note_pick() {
     let _ = REQUEST.try_with(|r| r.picks.fetch_add(1, Ordering::Relaxed));
@@ -286,13 +317,19 @@ pub fn note_prefix(matched: usize, blocks: usize) {
     });
 }
 
-/// The explain header's value: `seq=…; profile=…; winner=URL[; prompt_tokens=N]; URL total=… name=score …, …`,
+/// The explain header's value: `seq=…; profile=…; decisions=N; winner=URL[; pd=PATH[; prefill=URL]][; prompt_tokens=N]; URL total=… name=score …, …`,
 /// visible ASCII only, at most `max` bytes (cut at a candidate boundary, marked `…more`).
-pub fn summary(record: &DecisionRecord, picks: u32, max: usize) -> String {
+pub fn summary(record: &DecisionRecord, picks: u32, pd: Option<&PdStep>, max: usize) -> String {
     let mut out = format!(
         "seq={}; profile={}; decisions={}; winner={}",
         record.seq, record.profile, picks, record.winner
     );
+    if let Some(pd) = pd {
+        out.push_str(&format!("; pd={}", pd.path));
+        if let Some(prefill) = &pd.prefill_backend {
+            out.push_str(&format!("; prefill={prefill}"));
+        }
+    }
     if let Some(n) = record.prompt_tokens {
         out.push_str(&format!("; prompt_tokens={n}"));
     }
@@ -356,7 +393,7 @@ mod tests {
 
     #[test]
     fn summary_is_bounded_ascii() {
-        let s = summary(&record(7, 200), 2, 512);
+        let s = summary(&record(7, 200), 2, None, 512);
         assert!(s.len() <= 512, "{}", s.len());
         assert!(s.starts_with("seq=7; profile=default; decisions=2; winner=http://10.0.0.0:8000"));
         assert!(s.ends_with("; more"));

@@ -34,6 +34,7 @@ use crate::endpoints::OutlierConfig;
 use crate::error::Error;
 use crate::forward::ForwardConfig;
 use crate::forward::{discard, Dispatch, ProxyRequest};
+use crate::pd::{flow, Path, PdConfig};
 use crate::scheduling::admission::LimitsConfig;
 use crate::scheduling::priority::PriorityConfig;
 
@@ -87,6 +88,8 @@ struct Settings {
     max_inflight: usize,
     /// (ratio, min per second, window) the budget was built with.
     budget_params: (f64, u32, u64),
+    /// Prefill/decode disaggregation (`crate::pd`).
+    pd: PdConfig,
 }
 
 impl Settings {
@@ -109,8 +112,10 @@ impl Settings {
         limits: &LimitsConfig,
         outlier: &OutlierConfig,
         priority: &PriorityConfig,
+        pd: &PdConfig,
     ) -> Self {
         Settings {
+            pd: pd.clone(),
             retry: RetryPolicy::from_config(forward),
             outlier: outlier.clone(),
             queue_timeouts: priority
@@ -166,8 +171,9 @@ impl SchedulerLayer {
         limits: &LimitsConfig,
         outlier: &OutlierConfig,
         priority: &PriorityConfig,
+        pd: &PdConfig,
     ) -> Self {
-        let settings = Settings::new(forward, limits, outlier, priority);
+        let settings = Settings::new(forward, limits, outlier, priority, pd);
         SchedulerLayer {
             shared: Arc::new(Shared {
                 scheduler,
@@ -188,9 +194,10 @@ impl SchedulerLayer {
         limits: &LimitsConfig,
         outlier: &OutlierConfig,
         priority: &PriorityConfig,
+        pd: &PdConfig,
     ) {
         let s = &self.shared;
-        let next = Settings::new(forward, limits, outlier, priority);
+        let next = Settings::new(forward, limits, outlier, priority, pd);
         let old = s.settings.load();
         if old.budget_params != next.budget_params {
             s.budget.store(Arc::new(budget(next.budget_params)));
@@ -399,12 +406,27 @@ where
                 let backend = Arc::clone(guard.backend());
                 // Recorded only now that it is sent: a pick given up is never recorded.
                 s.scheduler.sent(&request.view, &state, &mut guard);
+                // P/D: run the prefill step first when the rule says so; each attempt plans
+                // anew, so a failed decode is never retried with the same KV params.
+                let plan = flow::plan(
+                    &settings.pd,
+                    &s.scheduler,
+                    inner.clone(),
+                    &request,
+                    &state,
+                    &mut guard,
+                )
+                .await;
                 let dispatch = Dispatch {
-                    request: Arc::clone(&request),
+                    request: plan.request,
                     backend: Arc::clone(&backend),
                     guard,
                 };
+                let decode_started = std::time::Instant::now();
                 let result = inner.clone().oneshot(dispatch).await;
+                if plan.path == Some(Path::Disaggregated) {
+                    crate::pd::record_step("decode", decode_started.elapsed());
+                }
                 let server_error = matches!(&result, Ok(r) if r.status().is_server_error());
                 let retry = &settings.retry;
                 let next = if retry.retryable(&result) && attempt < retry.max_attempts {

@@ -230,6 +230,16 @@ impl InflightGuard {
         }
     }
 
+    /// Another backend prefilled the prompt (the decode step of a disaggregated request pulls
+    /// its KV cache): this backend is charged no prefill, only the context it will decode.
+    pub fn prefilled_elsewhere(&mut self) {
+        if let Some(charge) = self.charge.take() {
+            let context = charge.context();
+            drop(charge);
+            self.charge = Some(Charge::new(self.slot.backend(), 0, context));
+        }
+    }
+
     /// This request is the probe of a backend on probation.
     pub fn is_probe(&self) -> bool {
         self.slot.is_probe()
