@@ -221,6 +221,7 @@ impl Config {
             plugins: &self.plugins,
             scheduling_profiles: &self.scheduling_profiles,
             profile: self.profile.as_deref(),
+            prefill_profile: self.pd.prefill_profile.as_deref(),
             decisions: self.admin.decisions,
             decisions_always: self.admin.decisions_always,
             max_inflight_per_backend: self.limits.max_inflight_per_backend,

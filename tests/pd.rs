@@ -392,3 +392,123 @@ async fn a_decode_whose_pull_fails_is_retried_with_a_fresh_prefill() {
     assert_eq!(pulled_tokens(bad), 0.0);
     assert!(pulled_tokens(good) > 0.0);
 }
+
+/// A client that goes away while its prefill step runs cancels that step (the prefill engine
+/// aborts it) and its request never reaches a decode backend.
+#[tokio::test]
+async fn a_client_gone_during_the_prefill_step_cancels_it() {
+    let _serial = SERIAL.lock().await;
+    // About 2.8 s of prefill (see the timeout test), far longer than the client waits.
+    let slow = common::sim::start(SimConfig {
+        instant: false,
+        time_scale: 0.02,
+        ..sim_config(KvRole::Prefill)
+    })
+    .await;
+    let d = common::sim::start(sim_config(KvRole::Decode)).await;
+    let router = start_router(router_config(&[
+        (slow.url(), "prefill"),
+        (d.url(), "decode"),
+    ]))
+    .await;
+    until_all_healthy(&router).await;
+    let gone = client()
+        .post(router.url("/v1/completions"))
+        .timeout(std::time::Duration::from_millis(300))
+        .json(&json!({"model": "m", "prompt": long_prompt(30), "max_tokens": 2}))
+        .send()
+        .await;
+    assert!(gone.unwrap_err().is_timeout());
+    let (s, ok) = slow
+        .wait_for_stats(std::time::Duration::from_secs(60), |s| s.aborted == 1)
+        .await;
+    assert!(ok, "the prefill step was not cancelled: {s:?}");
+    assert_eq!(s.kv_held, 0);
+    assert_eq!(
+        d.stats().prompt_tokens,
+        0,
+        "the decode backend was never asked"
+    );
+}
+
+/// With its only prefill backend down, a long prompt runs colocated on the decode backend.
+#[tokio::test]
+async fn no_healthy_prefill_backend_means_the_local_path() {
+    let _serial = SERIAL.lock().await;
+    let f = fleet(1, |_| {}).await;
+    f.prefill.faults().refuse_connections();
+    common::until_backends_json(&f.router, |v| {
+        v["backends"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|b| b["healthy"] == false))
+    })
+    .await;
+    let before = Paths::read(&f.router).await;
+    let r = completion(
+        &f.router,
+        &json!({"model": "m", "prompt": long_prompt(40), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert!(header(&r, "x-inferlb-decision").contains("pd=local"));
+    assert_eq!(before.since(&f.router).await, (0, 1, 0));
+    assert_eq!(f.prefill.stats().prompt_tokens, 0);
+}
+
+/// `pd.prefill_profile`: prefill steps are decided by that profile (its decisions are in
+/// `/admin/decisions` under its name), every other decision by the active one. Seen failing
+/// with the scheduler ignoring the prefill companion: no decision of profile `prefill`.
+#[tokio::test]
+async fn prefill_steps_use_the_prefill_profile() {
+    let _serial = SERIAL.lock().await;
+    let f = fleet(1, |c| {
+        let spec = |kind: &str| inferlb::config::PluginSpec {
+            kind: kind.into(),
+            name: None,
+            parameters: Default::default(),
+        };
+        c.plugins = vec![spec("queue-scorer"), spec("round-robin-picker")];
+        let profile = |name: &str, plugin: &str| inferlb::config::ProfileSpec {
+            name: name.into(),
+            plugins: vec![inferlb::config::ProfilePluginRef {
+                plugin_ref: plugin.into(),
+                weight: None,
+            }],
+        };
+        c.scheduling_profiles = vec![
+            profile("decode", "queue-scorer"),
+            profile("prefill", "round-robin-picker"),
+        ];
+        c.pd.prefill_profile = Some("prefill".into());
+        c.admin.decisions_always = true;
+    })
+    .await;
+    let r = completion(
+        &f.router,
+        &json!({"model": "m", "prompt": long_prompt(50), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert!(header(&r, "x-inferlb-decision").contains("pd=disaggregated"));
+    let v: Value = client()
+        .get(f.router.url("/admin/decisions?n=10"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let by: Vec<(String, String)> = v["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["profile"].as_str().unwrap().to_owned(),
+                d["winner"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(by.contains(&("prefill".into(), f.prefill.url())), "{by:?}");
+    assert!(by.contains(&("decode".into(), f.decode[0].url())), "{by:?}");
+}

@@ -50,6 +50,9 @@ pub struct PdConfig {
     /// The prefill step's whole answer must arrive within this, else the request runs
     /// colocated on the decode backend.
     pub prefill_timeout_ms: u64,
+    /// The scheduling profile that picks the prefill backend (default: the active `profile`,
+    /// which always picks the decode backend). Checked when the profiles are built.
+    pub prefill_profile: Option<String>,
 }
 
 impl Default for PdConfig {
@@ -59,6 +62,7 @@ impl Default for PdConfig {
             threshold_tokens: 512,
             max_prefill_queue_tokens: None,
             prefill_timeout_ms: 10_000,
+            prefill_profile: None,
         }
     }
 }

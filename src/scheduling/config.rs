@@ -16,6 +16,8 @@ pub struct ProfileInputs<'a> {
     pub scheduling_profiles: &'a [ProfileSpec],
     /// `profile`: the active profile (default: the first).
     pub profile: Option<&'a str>,
+    /// `pd.prefill_profile`: the profile of prefill steps (default: the active one).
+    pub prefill_profile: Option<&'a str>,
     /// `admin.decisions`, `admin.decisions_always`.
     pub decisions: usize,
     pub decisions_always: bool,

@@ -244,7 +244,7 @@ impl<S> SchedulerService<S> {
             metrics::gauge!(crate::telemetry::QUEUED_BY_CLASS, "class" => label.to_string())
                 .set(n as f64);
         }
-        for plugin in self.shared.scheduler.profile().plugins() {
+        for plugin in self.shared.scheduler.profile().every_plugin() {
             plugin.refresh_metrics();
         }
     }

@@ -90,7 +90,8 @@ impl Scheduler {
     ) -> Result<InflightGuard, Refused> {
         let now = Instant::now();
         let members = self.pool.backends();
-        let profile = self.profile.load();
+        let active = self.profile.load();
+        let profile = active.for_request(request);
         let mut lost: Vec<usize> = Vec::new();
         for _ in 0..MAX_RACES {
             let mut candidates = self.pool.candidates(&members, now);
@@ -99,7 +100,7 @@ impl Scheduler {
             match profile.run(request, state, &mut candidates) {
                 Ok(decision) => {
                     let backend = candidates[decision.index].backend;
-                    match Self::reserve(&profile, backend) {
+                    match Self::reserve(profile, backend) {
                         Some(slot) => return Ok(InflightGuard::new(slot, request)),
                         None => lost.push(backend.id),
                     }
@@ -147,7 +148,8 @@ impl Scheduler {
     /// plugin that estimates it names. Called once per attempt actually sent, never for a pick
     /// given up.
     pub fn sent(&self, request: &RequestView, state: &CycleState, guard: &mut InflightGuard) {
-        let profile = self.profile.load();
+        let active = self.profile.load();
+        let profile = active.for_request(request);
         let backend = Arc::clone(guard.backend());
         backend
             .work()
@@ -165,7 +167,7 @@ impl Scheduler {
 
     /// `backend` left the pool: every plugin forgets it.
     pub fn forget(&self, backend: &Backend) {
-        for plugin in self.profile.load().plugins() {
+        for plugin in self.profile.load().every_plugin() {
             plugin.backend_removed(backend);
         }
     }

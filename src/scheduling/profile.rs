@@ -72,6 +72,9 @@ pub struct Profile {
     built: HashMap<String, (PluginSpec, PluginInstance)>,
     /// Recent decisions, for `/admin/decisions` and the explain header.
     decisions: Arc<decisions::DecisionLog>,
+    /// The profile that schedules prefill steps of disaggregated requests (`pd.prefill_profile`),
+    /// when it is another one; `None`: this profile schedules them too.
+    prefill: Option<Arc<Profile>>,
 }
 
 impl Profile {
@@ -174,6 +177,27 @@ impl Profile {
         self.plugins.iter().map(PluginInstance::as_plugin)
     }
 
+    /// The profile for `request`: the prefill companion for a prefill step when there is one,
+    /// else this one.
+    pub fn for_request(&self, request: &RequestView) -> &Profile {
+        match &self.prefill {
+            Some(prefill) if request.prefill_leg => prefill,
+            _ => self,
+        }
+    }
+
+    /// The prefill companion's name, when the prefill steps use another profile.
+    pub fn prefill_profile(&self) -> Option<&str> {
+        self.prefill.as_deref().map(|p| p.name.as_str())
+    }
+
+    /// This profile's plugins and its prefill companion's (a plugin both use comes twice), for
+    /// the hooks every instance must see (a backend leaving, metrics refresh).
+    pub fn every_plugin(&self) -> impl Iterator<Item = &dyn Plugin> + '_ {
+        self.plugins()
+            .chain(self.prefill.iter().flat_map(|p| p.plugins()))
+    }
+
     /// Signals a scorer reads that a backend's engine does not report, as start-up warnings.
     /// For every scorer signal that an engine among `engines` (each backend's engine name and
     /// its metric names, `None` when unknown) does not report, a warning.
@@ -210,7 +234,12 @@ impl Profile {
                 .map(|(s, w)| format!("{}×{w}", s.name())),
         );
         parts.push(self.picker.name().to_owned());
-        format!("{}: {}", self.name, parts.join(" → "))
+        let mut out = format!("{}: {}", self.name, parts.join(" → "));
+        if let Some(prefill) = &self.prefill {
+            out.push_str("; prefill steps: ");
+            out.push_str(&prefill.describe());
+        }
+        out
     }
 }
 
@@ -405,6 +434,8 @@ pub fn build_active_reusing(
         }
     }
     let mut active = None;
+    let mut prefill = None;
+    let prefill_wanted = config.prefill_profile.filter(|name| *name != wanted);
     let mut seen = std::collections::HashSet::new();
     // A reload keeps the ring (the status page and `/admin/decisions` hold it).
     let log = previous.map_or_else(
@@ -434,19 +465,29 @@ pub fn build_active_reusing(
                         .map(|i| (name.clone(), (spec.clone(), i.clone())))
                 })
                 .collect();
-            active = Some(Arc::new(profile));
+            active = Some(profile);
+        } else if Some(spec.name.as_str()) == prefill_wanted {
+            prefill = Some(Arc::new(profile));
         }
     }
-    active.ok_or_else(|| {
+    let names = || {
         let names: Vec<_> = profiles.iter().map(|p| p.name.as_str()).collect();
+        names.join(", ")
+    };
+    if let (Some(name), None) = (prefill_wanted, &prefill) {
+        return Err(ConfigError::invalid(
+            "pd.prefill_profile",
+            format!("no scheduling profile named `{name}` (have: {})", names()),
+        ));
+    }
+    let mut active = active.ok_or_else(|| {
         ConfigError::invalid(
             "profile",
-            format!(
-                "no scheduling profile named `{wanted}` (have: {})",
-                names.join(", ")
-            ),
+            format!("no scheduling profile named `{wanted}` (have: {})", names()),
         )
-    })
+    })?;
+    active.prefill = prefill;
+    Ok(Arc::new(active))
 }
 
 fn build_profile(
@@ -547,6 +588,7 @@ fn build_profile(
         picker: picker.unwrap_or_else(|| Arc::new(MaxScorePicker::new(MaxScorePicker::TYPE))),
         plugins,
         decisions: Arc::new(decisions::DecisionLog::new(0, false)),
+        prefill: None,
     })
 }
 

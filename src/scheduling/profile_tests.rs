@@ -457,3 +457,49 @@ fn a_prefill_cost_scorer_alone_matches_on_its_own() {
         .own_matcher()
         .is_some());
 }
+
+/// `[pd] prefill_profile` names the profile of prefill steps; the active profile keeps every
+/// other decision, an unknown name is refused naming the field.
+#[test]
+fn a_prefill_profile_schedules_prefill_steps() {
+    let text = r#"
+        profile = "decode"
+        [pd]
+        prefill_profile = "prefill"
+        [[plugins]]
+        type = "queue-scorer"
+        [[plugins]]
+        type = "round-robin-picker"
+        [[scheduling_profiles]]
+        name = "decode"
+        plugins = [{ plugin_ref = "queue-scorer" }]
+        [[scheduling_profiles]]
+        name = "prefill"
+        plugins = [{ plugin_ref = "round-robin-picker" }]
+    "#;
+    let p = build_active(&config(text)).unwrap();
+    assert_eq!(p.name, "decode");
+    assert_eq!(p.prefill_profile(), Some("prefill"));
+    assert!(
+        p.describe().contains("; prefill steps: prefill: "),
+        "{}",
+        p.describe()
+    );
+    let mut view = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
+    assert_eq!(p.for_request(&view).name, "decode");
+    view.prefill_leg = true;
+    assert_eq!(p.for_request(&view).name, "prefill");
+    // Naming the active profile, or none, leaves one profile for both.
+    let same = build_active(&config(&text.replace(
+        "prefill_profile = \"prefill\"",
+        "prefill_profile = \"decode\"",
+    )))
+    .unwrap();
+    assert_eq!(same.prefill_profile(), None);
+    assert_eq!(same.for_request(&view).name, "decode");
+    let e = err(&text.replace("prefill_profile = \"prefill\"", "prefill_profile = \"pre\""));
+    assert!(
+        e.contains("pd.prefill_profile") && e.contains("no scheduling profile named `pre`"),
+        "{e}"
+    );
+}
