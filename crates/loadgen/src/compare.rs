@@ -6,12 +6,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
+use vllm_sim::config::KvRole;
 use vllm_sim::SimConfig;
 
 use crate::arrival::Arrival;
 use crate::client::RequestOptions;
-use crate::report::{secs, Summary};
+use crate::report::{secs, Slo, Summary};
 use crate::router::{self, Launcher, Policy};
 use crate::runner::{self, RunConfig};
 use crate::workload::{Tokens, Workload, WorkloadSpec};
@@ -58,6 +61,11 @@ pub struct CompareConfig {
     /// `max_loras` slots, and each session asks for one of them.
     pub adapters: Vec<String>,
     pub max_loras: usize,
+    /// Goodput objective in simulated seconds.
+    pub slo: Option<Slo>,
+    /// Policy name → how many of its simulators run in the `prefill` role (the rest `decode`);
+    /// policies not named get a fleet of `both`.
+    pub prefill_backends: BTreeMap<String, usize>,
 }
 
 /// KV blocks per backend so that `tokens` fill `fraction` of `backends` caches:
@@ -92,6 +100,8 @@ pub struct CompareOutput {
     pub max_hit_rate: Option<f64>,
     /// Shared prefixes alone, each missing once (not a bound when whole prompts repeat).
     pub prefix_only_hit_rate: Option<f64>,
+    pub slo: Option<Slo>,
+    pub prefill_backends: BTreeMap<String, usize>,
     pub rows: Vec<Row>,
 }
 
@@ -145,12 +155,25 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
     let mut prefix_only_hit_rate = None;
     for policy in &cfg.policies {
         eprintln!("[compare {}] policy {} …", cfg.name, policy.name());
-        let fleet = vllm_sim::spawn_fleet(cfg.backends, sim.clone()).await?;
+        let prefill = cfg.prefill_backends.get(policy.name()).copied();
+        let roles = roles(cfg.backends, prefill);
+        let mut fleet = Vec::with_capacity(cfg.backends);
+        for role in &roles {
+            fleet.push(
+                vllm_sim::spawn(SimConfig {
+                    kv_role: *role,
+                    ..sim.clone()
+                })
+                .await?,
+            );
+        }
         let workers: Vec<String> = fleet.iter().map(|s| s.url()).collect();
+        let role_names: Vec<&str> = roles.iter().map(|r| role_name(*r)).collect();
         let row = match router::start(
             policy,
             &cfg.launcher,
             &workers,
+            &role_names,
             &cfg.results_dir,
             cfg.ready_timeout,
         )
@@ -186,6 +209,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     time_scale: ts,
                     block_size: cfg.block_size,
                     tokens: tokens.clone(),
+                    slo: cfg.slo.map(|s| s.div(ts)),
                 };
                 let out = runner::run(run, Arc::clone(&workload)).await;
                 r.stop().await;
@@ -234,17 +258,41 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
         arrival: cfg.arrival.clone(),
         max_hit_rate,
         prefix_only_hit_rate,
+        slo: cfg.slo,
+        prefill_backends: cfg.prefill_backends.clone(),
         rows,
     })
 }
 
-const HEADERS: [&str; 14] = [
+/// Each simulator's role: `prefill` for the first `prefill` of `n` and `decode` for the rest
+/// when the policy runs disaggregated, else `both`.
+fn roles(n: usize, prefill: Option<usize>) -> Vec<KvRole> {
+    (0..n)
+        .map(|i| match prefill {
+            None => KvRole::Both,
+            Some(p) if i < p => KvRole::Prefill,
+            Some(_) => KvRole::Decode,
+        })
+        .collect()
+}
+
+fn role_name(role: KvRole) -> &'static str {
+    match role {
+        KvRole::Prefill => "prefill",
+        KvRole::Decode => "decode",
+        KvRole::Both => "both",
+    }
+}
+
+const HEADERS: [&str; 16] = [
     "policy",
     "out tok/s",
     "TTFT p50",
     "TTFT p90",
     "TTFT p99",
     "TTFT mean",
+    "TPOT p90",
+    "goodput",
     "E2E p90",
     "hit rate",
     "hit/req",
@@ -270,6 +318,8 @@ fn cells(row: &Row) -> Vec<String> {
         secs(s.ttft.p90),
         secs(s.ttft.p99),
         secs(s.ttft.mean),
+        secs(s.tpot.p90),
+        s.goodput_per_s.map_or("-".into(), |g| format!("{g:.3}/s")),
         secs(s.e2e.p90),
         fleet.map_or("-".into(), |f| format!("{:.3}", f.hit_rate)),
         fleet
@@ -350,6 +400,23 @@ impl CompareOutput {
             self.prefix_only_hit_rate
                 .map_or("-".into(), |r| format!("{r:.3}"))
         );
+        if let Some(slo) = self.slo {
+            let _ = writeln!(
+                s,
+                "TPOT = (E2E − TTFT) ÷ (output tokens − 1) per request; goodput = requests per \
+                 simulated second with TTFT ≤ {} and TPOT ≤ {}.",
+                secs(slo.ttft),
+                secs(slo.tpot)
+            );
+        }
+        for (policy, n) in &self.prefill_backends {
+            let _ = writeln!(
+                s,
+                "{policy}: {n} prefill + {} decode simulators (others: {} × both).",
+                self.backends.saturating_sub(*n),
+                self.backends
+            );
+        }
         for r in &self.rows {
             if let Some(f) = &r.failure {
                 let _ = writeln!(s, "- {}: {f}", r.policy);

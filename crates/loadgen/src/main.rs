@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use loadgen::arrival::{parse_ramp, Arrival};
 use loadgen::client::RequestOptions;
 use loadgen::compare::{self, CompareConfig};
+use loadgen::report::Slo;
 use loadgen::router::{self, Launcher, Policy};
 use loadgen::runner::{self, RunConfig};
 use loadgen::workload::{Tokens, Workload, WorkloadSpec};
@@ -57,6 +58,12 @@ struct WorkloadArgs {
     /// Output tokens per request (`max_tokens` with `ignore_eos`).
     #[arg(long, default_value_t = 100)]
     output_tokens: u32,
+    /// unique: prompt lengths drawn uniformly from system + question tokens to this (0: fixed).
+    #[arg(long, default_value_t = 0)]
+    prompt_tokens_max: usize,
+    /// unique: output lengths drawn uniformly from --output-tokens to this (0: fixed).
+    #[arg(long, default_value_t = 0)]
+    output_tokens_max: u32,
     /// shared-prefix: Zipf exponent of group popularity; 0 = every prompt in turn.
     #[arg(long, default_value_t = 0.0)]
     zipf: f64,
@@ -96,6 +103,8 @@ impl WorkloadArgs {
             Kind::Unique => WorkloadSpec::Unique {
                 prompt_tokens: self.system_tokens + self.question_tokens,
                 output_tokens: self.output_tokens,
+                prompt_tokens_max: self.prompt_tokens_max,
+                output_tokens_max: self.output_tokens_max,
             },
         }
     }
@@ -106,6 +115,26 @@ impl WorkloadArgs {
             Kind::MultiTurn => "multi-turn",
             Kind::Unique => "unique",
         }
+    }
+}
+
+/// Goodput: requests meeting both objectives (times in reported, i.e. simulated, seconds).
+#[derive(Debug, Clone, Args)]
+struct SloArgs {
+    /// Goodput's TTFT objective, ms (with --slo-tpot-ms).
+    #[arg(long, requires = "slo_tpot_ms")]
+    slo_ttft_ms: Option<f64>,
+    /// Goodput's TPOT objective (time per output token after the first), ms.
+    #[arg(long, requires = "slo_ttft_ms")]
+    slo_tpot_ms: Option<f64>,
+}
+
+impl SloArgs {
+    fn slo(&self) -> Option<Slo> {
+        Some(Slo {
+            ttft: self.slo_ttft_ms? / 1e3,
+            tpot: self.slo_tpot_ms? / 1e3,
+        })
     }
 }
 
@@ -167,6 +196,8 @@ struct RunArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     arrival: ArrivalArgs,
+    #[command(flatten)]
+    slo: SloArgs,
     /// Send non-streaming requests (TTFT is then the whole answer's latency).
     #[arg(long)]
     no_stream: bool,
@@ -208,6 +239,13 @@ struct CompareArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     arrival: ArrivalArgs,
+    #[command(flatten)]
+    slo: SloArgs,
+    /// NAME=N: policy NAME runs on a prefill/decode fleet, its first N simulators in the
+    /// `prefill` role and the rest `decode` (each with its `role` in the router's config); other
+    /// policies get `both` (repeatable).
+    #[arg(long = "prefill-backends", value_name = "NAME=N")]
+    prefill_backends: Vec<String>,
     /// Simulated backends.
     #[arg(long, default_value_t = 4)]
     backends: usize,
@@ -270,6 +308,24 @@ struct CompareArgs {
     /// LoRA slots per simulator (`--max-loras`) for --adapters.
     #[arg(long, default_value_t = 1)]
     max_loras: usize,
+}
+
+/// `NAME=N` pairs of `--prefill-backends`.
+fn parse_prefill_backends(
+    pairs: &[String],
+) -> Result<std::collections::BTreeMap<String, usize>, String> {
+    pairs
+        .iter()
+        .map(|p| {
+            let (name, n) = p
+                .split_once('=')
+                .ok_or_else(|| format!("--prefill-backends {p}: expected NAME=N"))?;
+            let n = n
+                .parse::<usize>()
+                .map_err(|e| format!("--prefill-backends {p}: {e}"))?;
+            Ok((name.to_owned(), n))
+        })
+        .collect()
 }
 
 fn sizing_tokens(w: &WorkloadArgs, workload: &Workload) -> usize {
@@ -395,6 +451,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         time_scale: a.time_scale,
         block_size: a.block_size,
         tokens: Default::default(),
+        slo: a.slo.slo().map(|s| s.div(a.time_scale)),
     };
     let provenance = machine::provenance(
         &std::env::current_exe().into_iter().collect::<Vec<_>>(),
@@ -521,6 +578,8 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         session_header: a.session_header.clone(),
         adapters: a.adapters.clone(),
         max_loras: a.max_loras,
+        slo: a.slo.slo(),
+        prefill_backends: parse_prefill_backends(&a.prefill_backends)?,
     };
     if !a.inferlb_bin.exists()
         && cfg

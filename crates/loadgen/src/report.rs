@@ -67,12 +67,42 @@ pub struct Pcts {
     pub max: f64,
 }
 
+/// A service-level objective (DistServe's goodput measure): a request is *good* when its TTFT
+/// and its TPOT (time per output token after the first: `(E2E − TTFT) ÷ (tokens − 1)`) are
+/// both within these, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Slo {
+    pub ttft: f64,
+    pub tpot: f64,
+}
+
+impl Slo {
+    /// The same objective with times divided by `factor` (simulated → wall seconds).
+    pub fn div(self, factor: f64) -> Slo {
+        Slo {
+            ttft: self.ttft / factor,
+            tpot: self.tpot / factor,
+        }
+    }
+}
+
+/// A request's time per output token after the first, when it has more than one.
+fn tpot(r: &Record) -> Option<f64> {
+    let ttft = r.ttft?;
+    (r.output_tokens > 1).then(|| (r.e2e - ttft).max(0.0) / (r.output_tokens - 1) as f64)
+}
+
 /// Accumulates records as they arrive (records are dropped after counting).
 #[derive(Debug, Default)]
 pub struct Collector {
     pub ttft: Latency,
     pub itl: Latency,
+    pub tpot: Latency,
     pub e2e: Latency,
+    /// The objective requests are judged by (wall seconds), if any.
+    pub slo: Option<Slo>,
+    /// Successful requests within [`Self::slo`].
+    pub good: u64,
     pub sent: u64,
     pub ok: u64,
     pub output_tokens: u64,
@@ -97,7 +127,16 @@ impl Collector {
                 for &g in &r.itl {
                     self.itl.record(g);
                 }
+                let tpot = tpot(r);
+                if let Some(t) = tpot {
+                    self.tpot.record(t);
+                }
                 self.e2e.record(r.e2e);
+                if let (Some(slo), Some(ttft)) = (self.slo, r.ttft) {
+                    if ttft <= slo.ttft && tpot.unwrap_or(0.0) <= slo.tpot {
+                        self.good += 1;
+                    }
+                }
             }
         }
     }
@@ -125,7 +164,12 @@ pub struct Summary {
     pub output_tokens_per_s: f64,
     pub ttft: Pcts,
     pub itl: Pcts,
+    /// Per-request time per output token after the first.
+    pub tpot: Pcts,
     pub e2e: Pcts,
+    /// The objective (in reported seconds) and the successful requests per second within it.
+    pub slo: Option<Slo>,
+    pub goodput_per_s: Option<f64>,
     /// Share of requests per backend from the router's backend header (empty when absent).
     pub backend_share_header: BTreeMap<String, f64>,
     pub fleet: Option<FleetReport>,
@@ -169,7 +213,10 @@ impl Summary {
             output_tokens_per_s: c.output_tokens as f64 / sim_secs,
             ttft: c.ttft.stats(time_scale),
             itl: c.itl.stats(time_scale),
+            tpot: c.tpot.stats(time_scale),
             e2e: c.e2e.stats(time_scale),
+            slo: c.slo.map(|s| s.div(1.0 / time_scale)),
+            goodput_per_s: c.slo.map(|_| c.good as f64 / sim_secs),
             backend_share_header,
             fleet,
             max_hit,
@@ -228,7 +275,12 @@ impl Summary {
             "{:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
             "", "mean", "p50", "p90", "p99", "max"
         );
-        for (name, p) in [("TTFT", self.ttft), ("ITL", self.itl), ("E2E", self.e2e)] {
+        for (name, p) in [
+            ("TTFT", self.ttft),
+            ("ITL", self.itl),
+            ("TPOT", self.tpot),
+            ("E2E", self.e2e),
+        ] {
             let _ = writeln!(
                 s,
                 "{name:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
@@ -237,6 +289,14 @@ impl Summary {
                 secs(p.p90),
                 secs(p.p99),
                 secs(p.max)
+            );
+        }
+        if let (Some(slo), Some(g)) = (self.slo, self.goodput_per_s) {
+            let _ = writeln!(
+                s,
+                "goodput {g:.3} req/s within TTFT ≤ {} and TPOT ≤ {}",
+                secs(slo.ttft),
+                secs(slo.tpot)
             );
         }
         if let Some(f) = &self.fleet {
@@ -317,5 +377,48 @@ mod tests {
         assert_eq!(s.share_range(), Some((0.75, 0.25)));
         assert_eq!(s.errors_text(), "http_503:1");
         assert!(s.render().contains("TTFT"));
+        assert_eq!(s.goodput_per_s, None);
+    }
+
+    #[test]
+    fn goodput_counts_requests_within_both_objectives() {
+        // Wall seconds; reported ×2.
+        let mut c = Collector {
+            slo: Some(Slo {
+                ttft: 0.2,
+                tpot: 0.01,
+            }),
+            ..Collector::default()
+        };
+        // (ttft, e2e, tokens): good; TTFT too slow; TPOT (0.9/9 = 0.1) too slow; one token.
+        for (ttft, e2e, tokens) in [
+            (0.1, 0.19, 10),
+            (0.3, 0.31, 2),
+            (0.1, 1.0, 10),
+            (0.2, 0.2, 1),
+        ] {
+            c.add(&Record {
+                ttft: Some(ttft),
+                e2e,
+                output_tokens: tokens,
+                ..Record::default()
+            });
+        }
+        let s = Summary::new("t", &c, 10.0, 2.0, None, None);
+        assert_eq!(c.good, 2);
+        assert!(
+            (s.goodput_per_s.unwrap() - 0.1).abs() < 1e-12,
+            "2 in 20 simulated s"
+        );
+        assert_eq!(
+            s.slo,
+            Some(Slo {
+                ttft: 0.4,
+                tpot: 0.02
+            })
+        );
+        assert_eq!(s.tpot.count, 3);
+        assert!((s.tpot.max - 0.2).abs() < 1e-3, "{}", s.tpot.max);
+        assert!(s.render().contains("goodput 0.100 req/s"));
     }
 }

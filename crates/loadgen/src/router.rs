@@ -116,6 +116,7 @@ pub enum RouterError {
 /// field) merged over the generated base.
 pub fn inferlb_config(
     workers: &[String],
+    roles: &[&str],
     port: u16,
     fragment: &str,
     name: &str,
@@ -128,9 +129,13 @@ pub fn inferlb_config(
     base.insert("poller".into(), poller.into());
     let backends: Vec<toml::Value> = workers
         .iter()
-        .map(|u| {
+        .enumerate()
+        .map(|(i, u)| {
             let mut t = toml::Table::new();
             t.insert("url".into(), u.clone().into());
+            if let Some(role) = roles.get(i).filter(|r| **r != "both") {
+                t.insert("role".into(), (*role).into());
+            }
             t.into()
         })
         .collect();
@@ -193,6 +198,7 @@ pub async fn start(
     policy: &Policy,
     launcher: &Launcher,
     workers: &[String],
+    roles: &[&str],
     log_dir: &Path,
     ready_timeout: Duration,
 ) -> Result<RunningRouter, RouterError> {
@@ -200,7 +206,7 @@ pub async fn start(
     let log_path = log_dir.join(format!("router-{}.log", sanitize(&name)));
     match (policy, launcher) {
         (Policy::Inferlb { fragment, .. }, Launcher::InProcess(start)) => {
-            let text = inferlb_config(workers, 0, fragment, &name)?;
+            let text = inferlb_config(workers, roles, 0, fragment, &name)?;
             let r = start(text)
                 .await
                 .map_err(|message| RouterError::InProcess {
@@ -218,7 +224,7 @@ pub async fn start(
         }
         (Policy::Inferlb { fragment, .. }, Launcher::Binary(bin)) => {
             let port = free_port()?;
-            let text = inferlb_config(workers, port, fragment, &name)?;
+            let text = inferlb_config(workers, roles, port, fragment, &name)?;
             let cfg_path = log_dir.join(format!("inferlb-{}.toml", sanitize(&name)));
             std::fs::write(&cfg_path, text)?;
             let mut cmd = Command::new(bin);
@@ -388,16 +394,17 @@ mod tests {
             let Some(Policy::Inferlb { fragment, .. }) = builtin(name) else {
                 panic!("{name}")
             };
-            let text = inferlb_config(&workers, 9, &fragment, name).unwrap();
+            let text = inferlb_config(&workers, &[], 9, &fragment, name).unwrap();
             let t: toml::Table = toml::from_str(&text).unwrap();
             assert_eq!(t["listen"].as_str(), Some("127.0.0.1:9"));
             assert_eq!(t["backends"].as_array().unwrap().len(), 2);
             assert_eq!(t.contains_key("scheduling_profiles"), *name != "default");
         }
-        let text = inferlb_config(&workers, 9, "[poller]\nstale_after_ms = 300\n", "x").unwrap();
+        let text =
+            inferlb_config(&workers, &[], 9, "[poller]\nstale_after_ms = 300\n", "x").unwrap();
         let t: toml::Table = toml::from_str(&text).unwrap();
         assert_eq!(t["poller"]["interval_ms"].as_integer(), Some(50));
         assert_eq!(t["poller"]["stale_after_ms"].as_integer(), Some(300));
-        assert!(inferlb_config(&workers, 9, "not toml [", "x").is_err());
+        assert!(inferlb_config(&workers, &[], 9, "not toml [", "x").is_err());
     }
 }

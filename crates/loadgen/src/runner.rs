@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 
 use crate::arrival::{Arrival, Schedule};
 use crate::client::{self, Record, RequestOptions};
-use crate::report::{Collector, Summary};
+use crate::report::{Collector, Slo, Summary};
 use crate::scrape::FleetScraper;
 use crate::workload::{max_hit_with, Session, Tokens, Workload};
 
@@ -47,6 +47,8 @@ pub struct RunConfig {
     pub block_size: usize,
     /// The backends' tokenizer, for the bound.
     pub tokens: Tokens,
+    /// Goodput objective, in wall seconds.
+    pub slo: Option<Slo>,
 }
 
 /// What a run produced.
@@ -142,8 +144,12 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
 
     let bar = progress_bar(&cfg);
     let collector_bar = bar.clone();
+    let slo = cfg.slo;
     let collector = tokio::spawn(async move {
-        let mut c = Collector::default();
+        let mut c = Collector {
+            slo,
+            ..Collector::default()
+        };
         while let Some(r) = rx.recv().await {
             c.add(&r);
             collector_bar.inc(1);

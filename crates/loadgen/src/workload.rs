@@ -77,10 +77,15 @@ pub enum WorkloadSpec {
         user_tokens: usize,
         output_tokens: u32,
     },
-    /// Prompts of `prompt_tokens` that share nothing but the chat template.
+    /// Prompts of `prompt_tokens` that share nothing but the chat template. With
+    /// `prompt_tokens_max` (`output_tokens_max`) above it, each session's prompt (output)
+    /// length is drawn uniformly from `prompt_tokens..=prompt_tokens_max` (from the seed);
+    /// 0: fixed.
     Unique {
         prompt_tokens: usize,
         output_tokens: u32,
+        prompt_tokens_max: usize,
+        output_tokens_max: u32,
     },
 }
 
@@ -292,18 +297,18 @@ impl Workload {
             WorkloadSpec::Unique {
                 prompt_tokens,
                 output_tokens,
+                prompt_tokens_max,
+                output_tokens_max,
             } => {
                 let mut rng = fastrand::Rng::with_seed(seed ^ SALT_QUESTION ^ id);
+                let prompt = rng.usize(prompt_tokens..=prompt_tokens_max.max(prompt_tokens));
+                let output = rng.u32(output_tokens..=output_tokens_max.max(output_tokens));
                 Session {
                     id,
                     group: id,
                     system: None,
-                    users: vec![text::tagged_text(
-                        &mut rng,
-                        prompt_tokens,
-                        &text::tag(id, seed),
-                    )],
-                    output_tokens,
+                    users: vec![text::tagged_text(&mut rng, prompt, &text::tag(id, seed))],
+                    output_tokens: output,
                 }
             }
         }
@@ -519,6 +524,8 @@ mod tests {
             WorkloadSpec::Unique {
                 prompt_tokens: 64,
                 output_tokens: 4,
+                prompt_tokens_max: 0,
+                output_tokens_max: 0,
             },
             1,
         );

@@ -7,7 +7,7 @@ use std::time::Duration;
 use loadgen::arrival::Arrival;
 use loadgen::client::RequestOptions;
 use loadgen::compare::{compare, CompareConfig};
-use loadgen::router::{builtin, InProcessRouter, InProcessStart, Launcher};
+use loadgen::router::{builtin, InProcessRouter, InProcessStart, Launcher, Policy};
 use loadgen::runner::{run, RunConfig};
 use loadgen::workload::{Workload, WorkloadSpec};
 
@@ -50,6 +50,8 @@ async fn compare_mixed_adapters_reports_lora_loads() {
         workload: WorkloadSpec::Unique {
             prompt_tokens: 32,
             output_tokens: 8,
+            prompt_tokens_max: 0,
+            output_tokens_max: 0,
         },
         seed: 5,
         backends: 2,
@@ -73,6 +75,8 @@ async fn compare_mixed_adapters_reports_lora_loads() {
         max_loras: 1,
         sim_tokenizer: None,
         sim_kv_events: false,
+        slo: None,
+        prefill_backends: Default::default(),
     };
     let out = compare(cfg).await.unwrap();
     let row = &out.rows[0];
@@ -121,6 +125,8 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
         max_loras: 1,
         sim_tokenizer: None,
         sim_kv_events: false,
+        slo: None,
+        prefill_backends: Default::default(),
     };
     let out = compare(cfg).await.unwrap();
     assert_eq!(out.rows.len(), 2);
@@ -180,6 +186,7 @@ fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<Str
         time_scale: 1.0,
         block_size: 16,
         tokens: Default::default(),
+        slo: None,
     }
 }
 
@@ -284,6 +291,8 @@ async fn closed_loop_sends_until_the_deadline_not_the_drain_timeout() {
         WorkloadSpec::Unique {
             prompt_tokens: 8,
             output_tokens: 2,
+            prompt_tokens_max: 0,
+            output_tokens_max: 0,
         },
         1,
     ));
@@ -317,6 +326,8 @@ async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
         WorkloadSpec::Unique {
             prompt_tokens: 8,
             output_tokens: 2,
+            prompt_tokens_max: 0,
+            output_tokens_max: 0,
         },
         1,
     ));
@@ -399,4 +410,81 @@ async fn measured_hit_rate_never_exceeds_the_bound_with_repeats_and_preemption()
     assert_eq!(fleet.prompt_tokens as u64, bound.prompt_tokens);
     assert_eq!(fleet.prefix_cache_queries as u64, bound.prompt_tokens);
     sim.shutdown().await;
+}
+
+/// A policy on a prefill/decode fleet (`prefill_backends`) beside a colocated one: both run
+/// the workload without errors, the P/D router sends long prompts in two steps (its prefill
+/// simulator computes prompts, the decode ones pull them), and goodput is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_runs_a_disaggregated_layout_and_reports_goodput() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = CompareConfig {
+        name: "pd".into(),
+        workload: WorkloadSpec::Unique {
+            prompt_tokens: 200,
+            output_tokens: 8,
+            prompt_tokens_max: 400,
+            output_tokens_max: 16,
+        },
+        seed: 5,
+        backends: 3,
+        block_size: 16,
+        num_gpu_blocks: Some(4096),
+        sizing_tokens: 0,
+        max_num_seqs: 256,
+        time_scale: 20.0,
+        arrival: Arrival::Closed { concurrency: 2 },
+        max_requests: Some(12),
+        duration: Duration::from_secs(600),
+        think_time: Duration::ZERO,
+        policies: vec![
+            builtin("default").unwrap(),
+            Policy::Inferlb {
+                name: "1p2d".into(),
+                fragment: "[pd]\nenabled = true\nthreshold_tokens = 64\n".into(),
+            },
+        ],
+        launcher: Launcher::InProcess(in_process()),
+        results_dir: dir.path().to_path_buf(),
+        ready_timeout: Duration::from_secs(10),
+        drain_timeout: Duration::from_secs(20),
+        progress: false,
+        session_header: None,
+        adapters: Vec::new(),
+        max_loras: 1,
+        sim_tokenizer: None,
+        sim_kv_events: false,
+        slo: Some(loadgen::report::Slo {
+            ttft: 60.0,
+            tpot: 60.0,
+        }),
+        prefill_backends: [("1p2d".to_string(), 1)].into_iter().collect(),
+    };
+    let out = compare(cfg).await.unwrap();
+    assert_eq!(out.rows.len(), 2);
+    for row in &out.rows {
+        let s = row.summary.as_ref().unwrap_or_else(|| panic!("{row:?}"));
+        assert_eq!(s.error_count(), 0, "{}: {:?}", row.policy, s.errors);
+        assert_eq!(s.ok, 12);
+        // Generous objectives: every request is good.
+        assert!(s.goodput_per_s.unwrap() > 0.0, "{}", row.policy);
+        assert_eq!(s.tpot.count, 12);
+    }
+    let shares = |i: usize| {
+        out.rows[i]
+            .summary
+            .as_ref()
+            .unwrap()
+            .backend_share_header
+            .clone()
+    };
+    // The header names the backend that answered: the decode ones only, on the P/D fleet.
+    assert_eq!(shares(0).len(), 3, "{:?}", shares(0));
+    assert_eq!(shares(1).len(), 2, "{:?}", shares(1));
+    let md = out.markdown();
+    assert!(md.contains("1p2d: 1 prefill + 2 decode simulators"), "{md}");
+    assert!(
+        md.contains("goodput = requests per simulated second"),
+        "{md}"
+    );
 }
