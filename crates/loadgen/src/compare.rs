@@ -209,7 +209,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     time_scale: ts,
                     block_size: cfg.block_size,
                     tokens: tokens.clone(),
-                    slo: cfg.slo.map(|s| s.div(ts)),
+                    slo: cfg.slo.map(|s| s.scaled_down(ts)),
                 };
                 let out = runner::run(run, Arc::clone(&workload)).await;
                 r.stop().await;

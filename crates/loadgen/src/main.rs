@@ -451,7 +451,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         time_scale: a.time_scale,
         block_size: a.block_size,
         tokens: Default::default(),
-        slo: a.slo.slo().map(|s| s.div(a.time_scale)),
+        slo: a.slo.slo().map(|s| s.scaled_down(a.time_scale)),
     };
     let provenance = machine::provenance(
         &std::env::current_exe().into_iter().collect::<Vec<_>>(),

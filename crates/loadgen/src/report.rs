@@ -78,7 +78,7 @@ pub struct Slo {
 
 impl Slo {
     /// The same objective with times divided by `factor` (simulated → wall seconds).
-    pub fn div(self, factor: f64) -> Slo {
+    pub fn scaled_down(self, factor: f64) -> Slo {
         Slo {
             ttft: self.ttft / factor,
             tpot: self.tpot / factor,
@@ -215,7 +215,7 @@ impl Summary {
             itl: c.itl.stats(time_scale),
             tpot: c.tpot.stats(time_scale),
             e2e: c.e2e.stats(time_scale),
-            slo: c.slo.map(|s| s.div(1.0 / time_scale)),
+            slo: c.slo.map(|s| s.scaled_down(1.0 / time_scale)),
             goodput_per_s: c.slo.map(|_| c.good as f64 / sim_secs),
             backend_share_header,
             fleet,
@@ -351,6 +351,7 @@ pub fn secs(v: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
