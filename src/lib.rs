@@ -20,6 +20,8 @@
 //! * [`scheduling`] — the plugin framework and the tower layer in front of forwarding: filters
 //!   drop unfit backends, weighted scorers rank the rest, a picker chooses; lifecycle hooks
 //!   let the prefix scorer remember where each prompt went.
+//! * [`pd`] — prefill/decode disaggregation: per attempt, the rule that sends a long prompt's
+//!   prefill to a `prefill` backend first and hands its KV params to the decode backend.
 //! * [`forward`] — hyper client with pooled keep-alive connections, plain TCP or TLS
 //!   (`forward::tls`: rustls, per-CA client settings); streams the response back frame by frame
 //!   and releases the backend's in-flight count when the body ends.

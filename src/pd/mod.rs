@@ -1,24 +1,51 @@
 //! Prefill/decode disaggregation: the two-step path for chat and completions.
 //!
 //! When `[pd] enabled` and the fleet has `prefill`-role backends, a request whose decode
-//! backend `D` (picked first, by the ordinary profile over `decode`/`both` backends) lacks
+//! backend `D` (picked first, by the active profile over `decode`/`both` backends) lacks
 //! `u = prompt tokens − tokens D already holds` (the estimate of the first plugin that
 //! reports prompt work, e.g. the prefix or prefill-cost scorer; the whole prompt estimate
-//! without one) with `u > threshold_tokens`, and — when `max_prefill_queue_tokens` is set —
-//! `Σ pending prefill tokens of the prefill pool < max_prefill_queue_tokens`, is sent in two
-//! steps:
+//! without one) with `u > threshold_tokens` (llm-d's rule), and — when
+//! `max_prefill_queue_tokens` is set — `Σ pending prefill tokens of the prefill pool <
+//! max_prefill_queue_tokens` (Dynamo's rule), is sent in two steps:
 //!
-//! 1. to a prefill backend `P` (the same profile, its candidates narrowed to `prefill` roles):
-//!    the client's body with `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1`
-//!    when present), no `stream_options`/`min_tokens`/`min_completion_tokens`, and
-//!    `kv_transfer_params: {do_remote_decode: true, …}`; its JSON answer (read up to
-//!    [`MAX_PREFILL_RESPONSE`] bytes within `prefill_timeout_ms`) carries P's params;
-//! 2. to `D`: the client's body plus P's `kv_transfer_params`, copied as raw JSON.
+//! 1. to a prefill backend `P` (picked by `pd.prefill_profile`, else the active profile, its
+//!    candidates narrowed to `prefill` roles by the role filter): the client's body with
+//!    `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when present), no
+//!    `stream_options`/`min_tokens`/`min_completion_tokens`, and `kv_transfer_params:
+//!    {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`, with the client's
+//!    request id; its JSON answer (read up to [`MAX_PREFILL_RESPONSE`] bytes within
+//!    `prefill_timeout_ms`) carries P's params;
+//! 2. to `D`: the client's body plus P's `kv_transfer_params`, copied as raw JSON (whatever
+//!    fields the engine's connector puts there — engine id, block ids, host, port, request
+//!    id, parallel sizes, lease expiry — reach D unchanged). D is charged no prefill work.
 //!
-//! Anything that goes wrong in step 1 (refused, 5xx, timeout, no params) serves the request
-//! colocated on `D` with the client's body: the client never sees the prefill failure. A
-//! decode that fails before its first byte is never retried with the same params (vLLM frees
-//! P's blocks after the first pull): the retry re-runs step 1 or goes colocated.
+//! This is what vLLM's own proxy for its NIXL connector does
+//! (`tests/v1/kv_connector/nixl_integration/toy_proxy_server.py` at vllm-project/vllm
+//! 030ea52e), with the fields the connector reads
+//! (`vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py` at 002a1057: a decode
+//! request pulls only when `remote_block_ids`, `remote_engine_id`, `remote_host`,
+//! `remote_port` — its NIXL side channel, not its HTTP address — and, in newer versions,
+//! `remote_request_id` are all present).
+//!
+//! Failure modes, and what this module does about them:
+//! - Blocks nobody pulls: P holds them for a lease and then frees them
+//!   (`kv_lease_duration`, 30 s by default, in `kv_connector/v1/nixl/pull_scheduler.py` at
+//!   0050936b and `docs/design/nixl_kv_cache_lease.md` at 0ade2c81; older versions used
+//!   `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`). A prefill step given up (timeout, client gone) is
+//!   dropped with its connection, so P aborts it when it is still running.
+//! - A failed pull on D: `kv_load_failure_policy` (`vllm/config/kv_transfer.py`) is `fail`
+//!   by default in current vLLM (`docs/features/nixl_connector_usage.md` at 026c83f9; it was
+//!   `recompute` before), so D answers an error (500, or an error event in a stream already
+//!   under way). P frees its blocks after the first read, and the router cannot tell whether a
+//!   failed decode had read them, so a decode that fails before its first byte is never
+//!   retried with the same params: the retry (on another decode backend, by the layer's
+//!   ordinary retry policy) plans anew, with a new prefill step.
+//! - Anything that goes wrong in step 1 (refused, 5xx, broken connection, timeout, an answer
+//!   without usable params) serves the request colocated on `D` with the client's body: the
+//!   client never sees the prefill failure. No prefill backend available: colocated too.
+//!
+//! `n > 1`, `best_of`, `echo`, `prompt_logprobs` and beam search stay colocated: the decode
+//! engine never computes the prompt positions it pulls.
 
 pub mod flow;
 
