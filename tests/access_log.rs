@@ -48,15 +48,12 @@ fn spawn_lines(args: &[&str]) -> (Proc, tokio::sync::mpsc::UnboundedReceiver<Str
 }
 
 fn spawn(backend: &FakeBackend, log_level: &str) -> Running {
-    let url = backend.url();
-    let (child, mut raw) = spawn_lines(&[
-        "--log-format",
-        "json",
-        "--log-level",
-        log_level,
-        "--backend",
-        &url,
-    ]);
+    spawn_json(&["--log-level", log_level, "--backend", &backend.url()])
+}
+
+/// The binary with `args`, JSON lines, once it has announced its address.
+fn spawn_json(args: &[&str]) -> Running {
+    let (child, mut raw) = spawn_lines(&[&["--log-format", "json"], args].concat());
     let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     std::thread::spawn(move || {
         while let Some(line) = raw.blocking_recv() {
@@ -285,4 +282,60 @@ async fn the_access_target_filters_like_any_other() {
         .await
         .is_none());
     assert!(run.child.0.wait().unwrap().success());
+}
+
+/// A disaggregated request is one line naming both backends: `backend` the decode backend
+/// that answered, `prefill_backend` the one that ran the prefill step, `pd` the path. Seen
+/// failing with the P/D step left out of the line (no `pd` field).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disaggregated_request_is_one_line_naming_both_backends() {
+    use vllm_sim::config::KvRole;
+    let sim = |role| vllm_sim::SimConfig {
+        kv_role: role,
+        ..common::sim::config("m")
+    };
+    let p = common::sim::start(sim(KvRole::Prefill)).await;
+    let d = common::sim::start(sim(KvRole::Decode)).await;
+    let path = std::env::temp_dir().join(format!("inferlb-access-pd-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!(
+            "[[backends]]\nurl = \"{}\"\nrole = \"prefill\"\n\n[[backends]]\nurl = \"{}\"\nrole = \"decode\"\n\n\
+             [pd]\nenabled = true\nthreshold_tokens = 16\n",
+            p.url(),
+            d.url()
+        ),
+    )
+    .unwrap();
+    let path = path.to_str().unwrap().to_owned();
+    let mut run =
+        tokio::task::block_in_place(|| spawn_json(&["--log-level", "info", "--config", &path]));
+    // Both backends polled healthy first (re-read every 20 ms, for at most 120 s).
+    let admin = format!("http://{}/admin/backends", run.addr);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(20));
+    for _ in 0..6000 {
+        tick.tick().await;
+        let Ok(resp) = reqwest::get(&admin).await else {
+            continue;
+        };
+        let v: serde_json::Value = resp.json().await.unwrap_or_default();
+        let all = v["backends"]
+            .as_array()
+            .is_some_and(|l| l.len() == 2 && l.iter().all(|b| b["healthy"] == true));
+        if all {
+            break;
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    let resp = chat(&run.addr, "req-pd", "m").await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await.unwrap();
+    let line = run.next("inferlb::access", "-").await.unwrap();
+    let fields = &line["fields"];
+    assert_eq!(fields["request_id"], "req-pd");
+    assert_eq!(fields["pd"], "disaggregated", "{fields}");
+    assert_eq!(fields["backend"], d.url().as_str());
+    assert_eq!(fields["prefill_backend"], p.url().as_str());
+    assert_eq!(p.stats().kv_pulls, 1);
+    run.stop();
 }
