@@ -125,18 +125,9 @@ async fn pd_count(router: &TestRouter, path: &str) -> f64 {
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
-/// A sample of a simulator's `/metrics` with all of `labels`.
+/// A sample of a simulator's `/metrics` with all of `labels` (0 when absent).
 fn sim_metric(sim: &SimHandle, name: &str, labels: &[(&str, &str)]) -> f64 {
-    sim.metrics_text()
-        .lines()
-        .find(|l| {
-            let (n, rest) = l.split_once('{').unwrap_or((l, ""));
-            n == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
-        })
-        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap())
+    sim.metric(name, labels).unwrap_or(0.0)
 }
 
 fn pulled_tokens(sim: &SimHandle) -> f64 {
@@ -490,14 +481,7 @@ async fn prefill_steps_use_the_prefill_profile() {
     .await;
     assert_eq!(r.status(), 200);
     assert!(header(&r, "x-inferlb-decision").contains("pd=disaggregated"));
-    let v: Value = client()
-        .get(f.router.url("/admin/decisions?n=10"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = common::json_of(client().get(f.router.url("/admin/decisions?n=10"))).await;
     let by: Vec<(String, String)> = v["decisions"]
         .as_array()
         .unwrap()

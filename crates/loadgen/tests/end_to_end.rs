@@ -40,19 +40,18 @@ fn in_process() -> InProcessStart {
     })
 }
 
-/// Mixed-adapter traffic: simulators serving adapters, every request for one of them, loads
-/// counted per policy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn compare_mixed_adapters_reports_lora_loads() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = CompareConfig {
-        name: "adapters".into(),
-        workload: WorkloadSpec::Unique {
-            prompt_tokens: 32,
-            output_tokens: 8,
-            prompt_tokens_max: 0,
-            output_tokens_max: 0,
-        },
+/// A compare of `policies` on `workload` with the tests' fixed settings (2 backends, time
+/// scale 20, closed loop, in-process routers writing into `dir`); tests change fields with
+/// struct update syntax.
+fn compare_config(
+    name: &str,
+    workload: WorkloadSpec,
+    policies: Vec<Policy>,
+    dir: &tempfile::TempDir,
+) -> CompareConfig {
+    CompareConfig {
+        name: name.into(),
+        workload,
         seed: 5,
         backends: 2,
         block_size: 16,
@@ -60,23 +59,43 @@ async fn compare_mixed_adapters_reports_lora_loads() {
         sizing_tokens: 512,
         max_num_seqs: 256,
         time_scale: 20.0,
-        arrival: Arrival::Closed { concurrency: 4 },
-        max_requests: Some(24),
+        arrival: Arrival::Closed { concurrency: 2 },
+        max_requests: Some(16),
         duration: Duration::from_secs(600),
         think_time: Duration::ZERO,
-        policies: vec![builtin("random").unwrap()],
+        policies,
         launcher: Launcher::InProcess(in_process()),
         results_dir: dir.path().to_path_buf(),
         ready_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(20),
         progress: false,
-        session_header: Some("x-session-id".into()),
-        adapters: vec!["a0".into(), "a1".into(), "a2".into()],
+        session_header: None,
+        adapters: Vec::new(),
         max_loras: 1,
         sim_tokenizer: None,
         sim_kv_events: false,
         slo: None,
         prefill_backends: Default::default(),
+    }
+}
+
+/// Mixed-adapter traffic: simulators serving adapters, every request for one of them, loads
+/// counted per policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_mixed_adapters_reports_lora_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let workload = WorkloadSpec::Unique {
+        prompt_tokens: 32,
+        output_tokens: 8,
+        prompt_tokens_max: 0,
+        output_tokens_max: 0,
+    };
+    let cfg = CompareConfig {
+        arrival: Arrival::Closed { concurrency: 4 },
+        max_requests: Some(24),
+        session_header: Some("x-session-id".into()),
+        adapters: vec!["a0".into(), "a1".into(), "a2".into()],
+        ..compare_config("adapters", workload, vec![builtin("random").unwrap()], &dir)
     };
     let out = compare(cfg).await.unwrap();
     let row = &out.rows[0];
@@ -93,40 +112,18 @@ async fn compare_mixed_adapters_reports_lora_loads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_smoke_runs_two_policies_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
+    let workload = WorkloadSpec::SharedPrefix {
+        groups: 2,
+        prompts: 8,
+        system_tokens: 96,
+        question_tokens: 16,
+        output_tokens: 8,
+        zipf: 0.0,
+    };
+    let policies = vec![builtin("random").unwrap(), builtin("default").unwrap()];
     let cfg = CompareConfig {
-        name: "smoke".into(),
-        workload: WorkloadSpec::SharedPrefix {
-            groups: 2,
-            prompts: 8,
-            system_tokens: 96,
-            question_tokens: 16,
-            output_tokens: 8,
-            zipf: 0.0,
-        },
-        seed: 5,
-        backends: 2,
-        block_size: 16,
-        num_gpu_blocks: None,
         sizing_tokens: 2 * 96,
-        max_num_seqs: 256,
-        time_scale: 20.0,
-        arrival: Arrival::Closed { concurrency: 2 },
-        max_requests: Some(16),
-        duration: Duration::from_secs(600),
-        think_time: Duration::ZERO,
-        policies: vec![builtin("random").unwrap(), builtin("default").unwrap()],
-        launcher: Launcher::InProcess(in_process()),
-        results_dir: dir.path().to_path_buf(),
-        ready_timeout: Duration::from_secs(10),
-        drain_timeout: Duration::from_secs(20),
-        progress: false,
-        session_header: None,
-        adapters: Vec::new(),
-        max_loras: 1,
-        sim_tokenizer: None,
-        sim_kv_events: false,
-        slo: None,
-        prefill_backends: Default::default(),
+        ..compare_config("smoke", workload, policies, &dir)
     };
     let out = compare(cfg).await.unwrap();
     assert_eq!(out.rows.len(), 2);
@@ -418,47 +415,30 @@ async fn measured_hit_rate_never_exceeds_the_bound_with_repeats_and_preemption()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_runs_a_disaggregated_layout_and_reports_goodput() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = CompareConfig {
-        name: "pd".into(),
-        workload: WorkloadSpec::Unique {
-            prompt_tokens: 200,
-            output_tokens: 8,
-            prompt_tokens_max: 400,
-            output_tokens_max: 16,
+    let workload = WorkloadSpec::Unique {
+        prompt_tokens: 200,
+        output_tokens: 8,
+        prompt_tokens_max: 400,
+        output_tokens_max: 16,
+    };
+    let policies = vec![
+        builtin("default").unwrap(),
+        Policy::Inferlb {
+            name: "1p2d".into(),
+            fragment: "[pd]\nenabled = true\nthreshold_tokens = 64\n".into(),
         },
-        seed: 5,
+    ];
+    let cfg = CompareConfig {
         backends: 3,
-        block_size: 16,
         num_gpu_blocks: Some(4096),
-        sizing_tokens: 0,
-        max_num_seqs: 256,
-        time_scale: 20.0,
-        arrival: Arrival::Closed { concurrency: 2 },
         max_requests: Some(12),
-        duration: Duration::from_secs(600),
-        think_time: Duration::ZERO,
-        policies: vec![
-            builtin("default").unwrap(),
-            Policy::Inferlb {
-                name: "1p2d".into(),
-                fragment: "[pd]\nenabled = true\nthreshold_tokens = 64\n".into(),
-            },
-        ],
-        launcher: Launcher::InProcess(in_process()),
-        results_dir: dir.path().to_path_buf(),
-        ready_timeout: Duration::from_secs(10),
-        drain_timeout: Duration::from_secs(20),
-        progress: false,
-        session_header: None,
-        adapters: Vec::new(),
-        max_loras: 1,
-        sim_tokenizer: None,
-        sim_kv_events: false,
+        // Generous objectives: every request is good.
         slo: Some(loadgen::report::Slo {
             ttft: 60.0,
             tpot: 60.0,
         }),
         prefill_backends: [("1p2d".to_string(), 1)].into_iter().collect(),
+        ..compare_config("pd", workload, policies, &dir)
     };
     let out = compare(cfg).await.unwrap();
     assert_eq!(out.rows.len(), 2);

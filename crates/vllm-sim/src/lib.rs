@@ -383,6 +383,19 @@ impl SimHandle {
         metrics::render(&m, &self.state.page_info)
     }
 
+    /// The value of the first sample of `name` on [`Self::metrics_text`] that carries every
+    /// one of `labels` (`None`: no such sample).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.metrics_text().lines().find_map(|l| {
+            let (n, rest) = l.split_once('{').unwrap_or((l.split(' ').next()?, ""));
+            let wanted = n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+            wanted.then(|| l.rsplit(' ').next()?.parse().ok()).flatten()
+        })
+    }
+
     /// Shared engine state, for advanced observers.
     pub fn shared(&self) -> &std::sync::Arc<Shared> {
         &self.state.engine.shared

@@ -81,18 +81,8 @@ async fn events(r: reqwest::Response) -> Vec<String> {
 
 /// A sample of the simulator's `/metrics` page: `name` with all of `labels`.
 fn metric(sim: &SimHandle, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = sim.metrics_text();
-    let line = text
-        .lines()
-        .find(|l| {
-            let (n, rest) = l.split_once('{').unwrap_or((l, ""));
-            n == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
-        })
-        .unwrap_or_else(|| panic!("no sample {name} {labels:?}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
+    sim.metric(name, labels)
+        .unwrap_or_else(|| panic!("no sample {name} {labels:?}"))
 }
 
 fn by_source(sim: &SimHandle, source: &str) -> f64 {
