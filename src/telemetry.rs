@@ -31,6 +31,7 @@ pub const UPSTREAM_ATTEMPT_FAILURES: &str = "inferlb_upstream_attempt_failures_t
 pub const CLIENT_DISCONNECTS: &str = "inferlb_client_disconnects_total";
 pub const UPSTREAM_CONNECTIONS_OPENED: &str = "inferlb_upstream_connections_opened_total";
 pub const BACKEND_HEALTHY: &str = "inferlb_backend_healthy";
+pub const BACKEND_INFO: &str = "inferlb_backend_info";
 pub const BACKEND_INFLIGHT: &str = "inferlb_backend_inflight";
 pub const BACKEND_EJECTED: &str = "inferlb_backend_ejected";
 pub const BACKEND_EJECTIONS: &str = "inferlb_backend_ejections_total";
@@ -73,6 +74,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (UPSTREAM_ATTEMPT_FAILURES, "Forwarding attempts that failed before a response, by backend and reason."),
     (CLIENT_DISCONNECTS, "Responses abandoned by the client before their body ended, by backend."),
     (UPSTREAM_CONNECTIONS_OPENED, "TCP connections opened to backends, for requests and scrapes; far below the request rate when keep-alive works."),
+    (BACKEND_INFO, "1 per member backend; its role label is the backend's prefill/decode role (prefill, decode or both)."),
     (BACKEND_HEALTHY, "1 when the backend passes the poller's active health check, 0 when it does not."),
     (BACKEND_EJECTED, "1 while outlier detection has the backend ejected or on probation (one probe request at a time), else 0."),
     (BACKEND_EJECTIONS, "Passive ejections of the backend by outlier detection (consecutive failures of real requests)."),

@@ -334,6 +334,10 @@ async fn a_disaggregated_request_is_one_line_naming_both_backends() {
     let fields = &line["fields"];
     assert_eq!(fields["request_id"], "req-pd");
     assert_eq!(fields["pd"], "disaggregated", "{fields}");
+    assert_eq!(
+        fields["pd_reason"],
+        "uncached tokens above threshold_tokens"
+    );
     assert_eq!(fields["backend"], d.url().as_str());
     assert_eq!(fields["prefill_backend"], p.url().as_str());
     assert_eq!(p.stats().kv_pulls, 1);

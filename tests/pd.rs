@@ -155,7 +155,10 @@ async fn a_long_prompt_is_prefilled_on_the_prefill_backend_and_streamed_from_a_d
     assert_eq!(header(&r, "x-inferlb-backend"), d.url());
     let decision = header(&r, "x-inferlb-decision");
     assert!(
-        decision.contains(&format!("pd=disaggregated; prefill={}", p.url())),
+        decision.contains(&format!(
+            "pd=disaggregated; pd_reason=uncached tokens above threshold_tokens; prefill={}",
+            p.url()
+        )),
         "{decision}"
     );
     assert!(
@@ -188,6 +191,13 @@ async fn a_long_prompt_is_prefilled_on_the_prefill_backend_and_streamed_from_a_d
         metrics.contains("inferlb_pd_step_duration_seconds_count{step=\"prefill\"}"),
         "{metrics}"
     );
+    for (b, role) in [(p, "prefill"), (d, "decode")] {
+        let series = format!(
+            "inferlb_backend_info{{backend=\"{}\",role=\"{role}\"}} 1",
+            b.url()
+        );
+        assert!(metrics.contains(&series), "{series} in {metrics}");
+    }
 }
 
 /// Chat too, without streaming: the client's `max_tokens` and `stream` reach the decode
@@ -232,21 +242,28 @@ async fn short_and_ineligible_requests_stay_on_the_decode_backend() {
         (
             json!({"model": "m", "prompt": "hi there", "max_tokens": 3}),
             200,
+            "below threshold_tokens",
         ),
         (
             json!({"model": "m", "prompt": long_prompt(2), "max_tokens": 3, "n": 2}),
             400,
+            "several choices",
         ),
         (
             json!({"model": "m", "prompt": long_prompt(3), "max_tokens": 3, "echo": true}),
             200,
+            "echo",
         ),
     ];
-    for (body, status) in &bodies {
+    for (body, status, why) in &bodies {
         let r = completion(&f.router, body).await;
         assert_eq!(r.status(), *status, "{body}");
         assert_eq!(header(&r, "x-inferlb-backend"), f.decode[0].url());
-        assert!(header(&r, "x-inferlb-decision").contains("pd=local"));
+        let decision = header(&r, "x-inferlb-decision");
+        assert!(
+            decision.contains(&format!("pd=local; pd_reason={why};")),
+            "{decision}"
+        );
         let _ = r.bytes().await.unwrap();
     }
     assert_eq!(f.prefill.stats().prompt_tokens, 0, "P was never asked");
@@ -274,7 +291,15 @@ async fn a_failed_prefill_step_is_served_colocated() {
         .await;
         assert_eq!(r.status(), 200, "{fault:?}");
         assert_eq!(header(&r, "x-inferlb-backend"), f.decode[0].url());
-        assert!(header(&r, "x-inferlb-decision").contains("pd=fallback"));
+        let decision = header(&r, "x-inferlb-decision");
+        let why = match fault {
+            PrefillFail::Error => "prefill step answered an error",
+            _ => "prefill step failed",
+        };
+        assert!(
+            decision.contains(&format!("pd=fallback; pd_reason={why};")),
+            "{decision}"
+        );
         let text = r.text().await.unwrap();
         assert!(
             text.ends_with("data: [DONE]\n\n") && !text.contains("error"),

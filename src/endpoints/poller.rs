@@ -142,6 +142,8 @@ struct Handles {
     kv_usage: metrics::Gauge,
     waiting: metrics::Gauge,
     running: metrics::Gauge,
+    /// `inferlb_backend_info{backend, role}`, always 1 (its labels are the information).
+    info: metrics::Gauge,
 }
 
 impl Handles {
@@ -154,7 +156,8 @@ impl Handles {
             ejected: metrics::gauge!(t::BACKEND_EJECTED, "backend" => b.clone()),
             kv_usage: metrics::gauge!(t::BACKEND_KV_USAGE, "backend" => b.clone()),
             waiting: metrics::gauge!(t::BACKEND_WAITING, "backend" => b.clone()),
-            running: metrics::gauge!(t::BACKEND_RUNNING, "backend" => b),
+            running: metrics::gauge!(t::BACKEND_RUNNING, "backend" => b.clone()),
+            info: metrics::gauge!(t::BACKEND_INFO, "backend" => b, "role" => backend.role.as_str()),
         }
     }
 }
@@ -318,6 +321,7 @@ impl Poller {
             }
         }
         handles.healthy.set(if next.healthy { 1.0 } else { 0.0 });
+        handles.info.set(1.0);
         // Refreshed every pass so a member's series never idle out (see telemetry).
         handles.inflight.set(backend.inflight() as f64);
         let out = backend.passive().is_out();

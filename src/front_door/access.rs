@@ -95,7 +95,7 @@ impl Entry {
                 .u64("prefix_blocks", u64::from(blocks));
         }
         if let Some(pd) = &self.pd {
-            l.str("pd", pd.path);
+            l.str("pd", pd.path).str("pd_reason", pd.reason);
             if let Some(prefill) = &pd.prefill_backend {
                 l.str("prefill_backend", prefill);
             }

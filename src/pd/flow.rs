@@ -70,6 +70,7 @@ where
         count(Path::Local);
         decisions::note_pd(PdStep {
             path: Path::Local.label(),
+            reason,
             prefill_backend: None,
         });
         Plan {
@@ -158,6 +159,7 @@ where
             count(Path::Disaggregated);
             decisions::note_pd(PdStep {
                 path: Path::Disaggregated.label(),
+                reason: "uncached tokens above threshold_tokens",
                 prefill_backend: Some(backend.name.clone()),
             });
             let step = ProxyRequest {
@@ -179,6 +181,7 @@ where
             count(Path::Fallback);
             decisions::note_pd(PdStep {
                 path: Path::Fallback.label(),
+                reason,
                 prefill_backend: Some(backend.name.clone()),
             });
             Plan {

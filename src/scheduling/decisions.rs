@@ -236,6 +236,8 @@ pub struct RequestTrace {
 pub struct PdStep {
     /// `disaggregated`, `local` or `fallback`.
     pub path: &'static str,
+    /// Why (e.g. `below threshold_tokens`, `prefill step timed out (pd.prefill_timeout_ms)`).
+    pub reason: &'static str,
     /// The backend the prefill step went to (also when it failed).
     pub prefill_backend: Option<String>,
 }
@@ -317,7 +319,7 @@ pub fn note_prefix(matched: usize, blocks: usize) {
     });
 }
 
-/// The explain header's value: `seq=…; profile=…; decisions=N; winner=URL[; pd=PATH[; prefill=URL]][; prompt_tokens=N]; URL total=… name=score …, …`,
+/// The explain header's value: `seq=…; profile=…; decisions=N; winner=URL[; pd=PATH; pd_reason=WHY[; prefill=URL]][; prompt_tokens=N]; URL total=… name=score …, …`,
 /// visible ASCII only, at most `max` bytes (cut at a candidate boundary, marked `…more`).
 pub fn summary(record: &DecisionRecord, picks: u32, pd: Option<&PdStep>, max: usize) -> String {
     let mut out = format!(
@@ -325,7 +327,7 @@ pub fn summary(record: &DecisionRecord, picks: u32, pd: Option<&PdStep>, max: us
         record.seq, record.profile, picks, record.winner
     );
     if let Some(pd) = pd {
-        out.push_str(&format!("; pd={}", pd.path));
+        out.push_str(&format!("; pd={}; pd_reason={}", pd.path, pd.reason));
         if let Some(prefill) = &pd.prefill_backend {
             out.push_str(&format!("; prefill={prefill}"));
         }
