@@ -144,6 +144,11 @@ impl Charge {
         }
     }
 
+    /// The prompt tokens the backend is charged to prefill.
+    pub fn uncached(&self) -> u64 {
+        self.uncached
+    }
+
     /// The prompt's length in tokens (what the request decodes against).
     pub fn context(&self) -> u64 {
         self.context

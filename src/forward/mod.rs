@@ -49,6 +49,22 @@ pub struct ProxyRequest {
     pub received_at: Instant,
 }
 
+impl ProxyRequest {
+    /// The same request (method, path, headers, id, arrival) with another body and view, e.g.
+    /// one step of a disaggregated request.
+    pub fn with_body(&self, body: Bytes, view: Arc<RequestView>) -> ProxyRequest {
+        ProxyRequest {
+            method: self.method.clone(),
+            path_and_query: self.path_and_query.clone(),
+            headers: self.headers.clone(),
+            body,
+            view,
+            request_id: self.request_id.clone(),
+            received_at: self.received_at,
+        }
+    }
+}
+
 /// A request with its backend chosen.
 pub struct Dispatch {
     pub request: Arc<ProxyRequest>,

@@ -16,6 +16,7 @@ use super::{
 };
 use crate::endpoints::{Backend, BackendRole};
 use crate::error::Error;
+use crate::forward::json_object::Members;
 use crate::forward::{Dispatch, ProxyRequest};
 use crate::scheduling::framework::CycleState;
 use crate::scheduling::profile::decisions::{self, PdStep};
@@ -38,68 +39,73 @@ impl Plan {
     }
 }
 
+/// The path this attempt took, as `inferlb_pd_requests_total` and the request's trace (the
+/// explain header, the access log) report it.
+fn took(path: Path, reason: &'static str, prefill: Option<&Backend>) {
+    count(path);
+    decisions::note_pd(PdStep {
+        path: path.label(),
+        reason,
+        prefill_backend: prefill.map(|b| b.name.clone()),
+    });
+}
+
 /// Decide and, when the rule says so, run step 1 on a prefill backend. Never fails: every
-/// problem of step 1 is a colocated (`fallback`) plan. `state` is the request's cycle state
-/// after `decode` was picked (its prompt-work estimate gives the uncached tokens).
+/// problem of step 1 is a colocated (`fallback`) plan. `decode_guard` holds the attempt's
+/// decode backend, already charged by [`Scheduler::sent`] with the prompt tokens it lacks.
 pub async fn plan<S>(
     cfg: &PdConfig,
     scheduler: &Scheduler,
     inner: S,
     request: &Arc<ProxyRequest>,
-    state: &CycleState,
     decode_guard: &mut InflightGuard,
 ) -> Plan
 where
     S: Service<Dispatch, Response = Response<Body>, Error = Error> + Clone + Send + 'static,
     S::Future: Send,
 {
-    let decode = Arc::clone(decode_guard.backend());
     if !cfg.enabled || !operation_eligible(&request.view) {
         return Plan::unchanged(request);
     }
-    let members = scheduler.pool().backends();
-    let prefill_pool: Vec<&Arc<Backend>> = members
+    // The prefill backends' pending prompt tokens, and whether there are any.
+    let (prefill_backends, queued) = scheduler
+        .pool()
+        .backends()
         .iter()
         .filter(|b| b.role == BackendRole::Prefill)
-        .collect();
-    if prefill_pool.is_empty() {
+        .fold((0usize, 0u64), |(n, sum), b| {
+            (n + 1, sum.saturating_add(b.work().prefill_tokens()))
+        });
+    if prefill_backends == 0 {
         return Plan::unchanged(request);
     }
+    let decode = Arc::clone(decode_guard.backend());
     let local = |reason: &'static str| {
         tracing::debug!(decode = %decode.name, reason, "colocated by the P/D rule");
-        count(Path::Local);
-        decisions::note_pd(PdStep {
-            path: Path::Local.label(),
-            reason,
-            prefill_backend: None,
-        });
+        took(Path::Local, reason, None);
         Plan {
             request: Arc::clone(request),
             path: Some(Path::Local),
         }
     };
-    if let Some(reason) = body_ineligible(&request.body) {
+    // The client's body, split once for the checks and both steps' bodies.
+    let Ok(Members(members)) = Members::parse(&request.body) else {
+        return local("body is not a JSON object");
+    };
+    if let Some(reason) = body_ineligible(&members) {
         return local(reason);
     }
     let view = &request.view;
-    let uncached = scheduler
-        .profile()
-        .plugins()
-        .find_map(|p| p.prompt_work(view, state, &decode))
-        .map_or_else(|| view.estimated_prompt_tokens(), |w| w.uncached);
-    let queued = prefill_pool
-        .iter()
-        .fold(0u64, |sum, b| sum.saturating_add(b.work().prefill_tokens()));
+    let uncached = decode_guard
+        .charged_uncached()
+        .unwrap_or_else(|| view.estimated_prompt_tokens());
     if let Err(reason) = wants_prefill(cfg, uncached, queued) {
         return local(reason);
     }
-    // The prefill step is scheduled by the same profile, narrowed to prefill backends.
+    // The prefill step: the prefill profile (or the active one), prefill backends only.
     let mut prefill_view = (**view).clone();
     prefill_view.prefill_leg = true;
     let prefill_view = Arc::new(prefill_view);
-    let Some(body) = prefill_body(&request.body) else {
-        return local("body is not a JSON object");
-    };
     // Its own trace: the request's explain header and access log keep the decode pick.
     let picked = decisions::aside(|| {
         let mut prefill_state = CycleState::default();
@@ -113,17 +119,8 @@ where
         return local("no prefill backend available");
     };
     let backend = Arc::clone(guard.backend());
-    let step = ProxyRequest {
-        method: request.method.clone(),
-        path_and_query: request.path_and_query.clone(),
-        headers: request.headers.clone(),
-        body,
-        view: prefill_view,
-        request_id: request.request_id.clone(),
-        received_at: request.received_at,
-    };
     let dispatch = Dispatch {
-        request: Arc::new(step),
+        request: Arc::new(request.with_body(prefill_body(&members), prefill_view)),
         backend: Arc::clone(&backend),
         guard,
     };
@@ -151,39 +148,23 @@ where
         Err(_) => Err("prefill step timed out (pd.prefill_timeout_ms)"),
     };
     record_step("prefill", started.elapsed());
-    let decode_request = outcome
-        .and_then(|params| decode_body(&request.body, &params).ok_or("body is not a JSON object"));
-    match decode_request {
-        Ok(body) => {
+    match outcome {
+        Ok(params) => {
             decode_guard.prefilled_elsewhere();
-            count(Path::Disaggregated);
-            decisions::note_pd(PdStep {
-                path: Path::Disaggregated.label(),
-                reason: "uncached tokens above threshold_tokens",
-                prefill_backend: Some(backend.name.clone()),
-            });
-            let step = ProxyRequest {
-                method: request.method.clone(),
-                path_and_query: request.path_and_query.clone(),
-                headers: request.headers.clone(),
-                body,
-                view: Arc::clone(&request.view),
-                request_id: request.request_id.clone(),
-                received_at: request.received_at,
-            };
+            took(
+                Path::Disaggregated,
+                "uncached tokens above threshold_tokens",
+                Some(&backend),
+            );
+            let body = decode_body(&members, &params);
             Plan {
-                request: Arc::new(step),
+                request: Arc::new(request.with_body(body, Arc::clone(&request.view))),
                 path: Some(Path::Disaggregated),
             }
         }
         Err(reason) => {
             tracing::warn!(prefill = %backend.name, decode = %decode.name, reason, "serving colocated");
-            count(Path::Fallback);
-            decisions::note_pd(PdStep {
-                path: Path::Fallback.label(),
-                reason,
-                prefill_backend: Some(backend.name.clone()),
-            });
+            took(Path::Fallback, reason, Some(&backend));
             Plan {
                 request: Arc::clone(request),
                 path: Some(Path::Fallback),

@@ -53,6 +53,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use crate::config_error::ConfigError;
 use crate::forward::json_object::{self, Members};
@@ -178,14 +179,14 @@ pub fn operation_eligible(view: &RequestView) -> bool {
 /// The params of the prefill step's request.
 const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
+/// A client body's top-level members (parsed once per request by [`flow::plan`]).
+pub type ClientMembers<'a> = [(String, &'a RawValue)];
+
 /// Why a body is not sent in two steps (`None`: it can be). The decode backend never computes
 /// the prompt positions it pulls, so `echo` and `prompt_logprobs` stay colocated, as do
 /// several choices and beam search.
-pub fn body_ineligible(body: &[u8]) -> Option<&'static str> {
-    let Ok(Members(members)) = Members::parse(body) else {
-        return Some("body is not a JSON object");
-    };
-    for (key, value) in &members {
+pub fn body_ineligible(members: &ClientMembers<'_>) -> Option<&'static str> {
+    for (key, value) in members {
         let v = value.get().trim();
         let set = !matches!(v, "null" | "false");
         match key.as_str() {
@@ -200,11 +201,10 @@ pub fn body_ineligible(body: &[u8]) -> Option<&'static str> {
 }
 
 /// Step 1's body: the client's with the overrides of the module docs.
-pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
-    let Members(members) = Members::parse(body).ok()?;
+pub fn prefill_body(members: &ClientMembers<'_>) -> Bytes {
     let mut out: Vec<(&str, &str)> = Vec::with_capacity(members.len() + 3);
     let mut has_max_completion = false;
-    for (key, value) in &members {
+    for (key, value) in members {
         match key.as_str() {
             "stream" | "max_tokens" | "stream_options" | "min_tokens" | "min_completion_tokens" => {
             }
@@ -219,7 +219,7 @@ pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
         out.push(("max_completion_tokens", "1"));
     }
     out.push((FIELD, PREFILL_PARAMS));
-    Some(Bytes::from(json_object::write(out)))
+    Bytes::from(json_object::write(out))
 }
 
 /// The `kv_transfer_params` of a prefill answer, as raw JSON, when it is a usable object
@@ -235,15 +235,14 @@ pub fn params_of_response(body: &[u8]) -> Option<String> {
 }
 
 /// Step 2's body: the client's with `params` (raw JSON) as its `kv_transfer_params`.
-pub fn decode_body(body: &[u8], params: &str) -> Option<Bytes> {
-    let Members(members) = Members::parse(body).ok()?;
+pub fn decode_body(members: &ClientMembers<'_>, params: &str) -> Bytes {
     let kept = members
         .iter()
         .filter(|(k, _)| k != FIELD)
         .map(|(k, v)| (k.as_str(), v.get()));
-    Some(Bytes::from(json_object::write(
+    Bytes::from(json_object::write(
         kept.chain(std::iter::once((FIELD, params))),
-    )))
+    ))
 }
 
 #[cfg(test)]
@@ -256,10 +255,14 @@ mod tests {
         serde_json::from_slice(b).unwrap()
     }
 
+    fn members(body: &[u8]) -> Vec<(String, &RawValue)> {
+        Members::parse(body).unwrap().0
+    }
+
     #[test]
     fn the_prefill_body_has_exactly_the_overrides() {
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":64,"max_completion_tokens":64,"min_tokens":3,"min_completion_tokens":2,"temperature":0.5,"kv_transfer_params":{"x":1}}"#;
-        let out = parse(&prefill_body(body).unwrap());
+        let out = parse(&prefill_body(&members(body)));
         assert_eq!(
             out,
             json!({"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0.5,
@@ -267,7 +270,7 @@ mod tests {
                    "kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,
                    "remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}})
         );
-        let plain = parse(&prefill_body(br#"{"prompt":"p"}"#).unwrap());
+        let plain = parse(&prefill_body(&members(br#"{"prompt":"p"}"#)));
         assert!(plain.get("max_completion_tokens").is_none());
         assert_eq!(plain["max_tokens"], 1);
     }
@@ -280,7 +283,10 @@ mod tests {
             params,
             r#"{"do_remote_prefill":true,"remote_block_ids":[[0, 1]],"unknown":12345678901234567890123,"remote_port":5600}"#
         );
-        let d = decode_body(br#"{"model":"m","stream":true,"max_tokens":9}"#, &params).unwrap();
+        let d = decode_body(
+            &members(br#"{"model":"m","stream":true,"max_tokens":9}"#),
+            &params,
+        );
         assert_eq!(
             std::str::from_utf8(&d).unwrap(),
             format!(
@@ -298,15 +304,18 @@ mod tests {
 
     #[test]
     fn what_stays_colocated() {
-        assert_eq!(body_ineligible(br#"{"n":1,"echo":false}"#), None);
-        assert_eq!(body_ineligible(br#"{"n":2}"#), Some("several choices"));
-        assert_eq!(body_ineligible(br#"{"echo":true}"#), Some("echo"));
+        assert_eq!(body_ineligible(&members(br#"{"n":1,"echo":false}"#)), None);
         assert_eq!(
-            body_ineligible(br#"{"prompt_logprobs":1}"#),
+            body_ineligible(&members(br#"{"n":2}"#)),
+            Some("several choices")
+        );
+        assert_eq!(body_ineligible(&members(br#"{"echo":true}"#)), Some("echo"));
+        assert_eq!(
+            body_ineligible(&members(br#"{"prompt_logprobs":1}"#)),
             Some("prompt_logprobs")
         );
         assert_eq!(
-            body_ineligible(br#"{"use_beam_search":true}"#),
+            body_ineligible(&members(br#"{"use_beam_search":true}"#)),
             Some("beam search")
         );
     }

@@ -413,7 +413,6 @@ where
                     &s.scheduler,
                     inner.clone(),
                     &request,
-                    &state,
                     &mut guard,
                 )
                 .await;
@@ -422,10 +421,12 @@ where
                     backend: Arc::clone(&backend),
                     guard,
                 };
-                let decode_started = std::time::Instant::now();
+                // Timed only for a decode step (no clock read on the ordinary path).
+                let decode_started =
+                    (plan.path == Some(Path::Disaggregated)).then(std::time::Instant::now);
                 let result = inner.clone().oneshot(dispatch).await;
-                if plan.path == Some(Path::Disaggregated) {
-                    crate::pd::record_step("decode", decode_started.elapsed());
+                if let Some(started) = decode_started {
+                    crate::pd::record_step("decode", started.elapsed());
                 }
                 let server_error = matches!(&result, Ok(r) if r.status().is_server_error());
                 let retry = &settings.retry;

@@ -232,6 +232,12 @@ impl InflightGuard {
         }
     }
 
+    /// The prompt tokens this backend is charged to prefill ([`Scheduler::sent`]'s estimate;
+    /// `None` when the profile has no plugin that estimates prompt work).
+    pub fn charged_uncached(&self) -> Option<u64> {
+        self.charge.as_ref().map(Charge::uncached)
+    }
+
     /// Another backend prefilled the prompt (the decode step of a disaggregated request pulls
     /// its KV cache): this backend is charged no prefill, only the context it will decode.
     pub fn prefilled_elsewhere(&mut self) {
