@@ -235,7 +235,8 @@ async fn chat_is_disaggregated_and_the_clients_own_params_are_replaced() {
 #[tokio::test]
 async fn short_and_ineligible_requests_stay_on_the_decode_backend() {
     let _serial = SERIAL.lock().await;
-    let f = fleet(1, |_| {}).await;
+    // Prefill servers kept for prefill steps, so the short prompt has one place to go.
+    let f = fleet(1, |c| c.pd.prefill_serves_short_prompts = false).await;
     let before = Paths::read(&f.router).await;
     // The simulator supports only n = 1: its own 400 reaches the client.
     let bodies = [
@@ -469,6 +470,48 @@ async fn no_healthy_prefill_backend_means_the_local_path() {
     assert!(header(&r, "x-inferlb-decision").contains("pd=local"));
     assert_eq!(before.since(&f.router).await, (0, 1, 0));
     assert_eq!(f.prefill.stats().prompt_tokens, 0);
+}
+
+/// `pd.prefill_serves_short_prompts` (on by default): with the decode backend down, a prompt
+/// within `threshold_tokens` is served whole by the prefill backend (one request, its own
+/// answer), while a long one, and with the setting off the short one too, finds no backend.
+/// Seen failing with the role filter treating short prompts as any whole request (503).
+#[tokio::test]
+async fn short_prompts_may_be_served_whole_by_a_prefill_backend() {
+    let _serial = SERIAL.lock().await;
+    for serves in [true, false] {
+        let f = fleet(1, |c| c.pd.prefill_serves_short_prompts = serves).await;
+        f.decode[0].faults().refuse_connections();
+        common::until_backends_json(&f.router, |v| {
+            v["backends"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|b| b["healthy"] == false))
+        })
+        .await;
+        let before = Paths::read(&f.router).await;
+        let short = json!({"model": "m", "prompt": "hi there", "max_tokens": 3});
+        let r = completion(&f.router, &short).await;
+        if serves {
+            assert_eq!(r.status(), 200);
+            assert_eq!(header(&r, "x-inferlb-backend"), f.prefill.url());
+            let decision = header(&r, "x-inferlb-decision");
+            assert!(
+                decision.contains(
+                    "pd=local; pd_reason=short prompt served whole on a prefill backend;"
+                ),
+                "{decision}"
+            );
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+            assert_eq!(f.prefill.stats().finished, 1);
+            assert_eq!(before.since(&f.router).await, (0, 1, 0));
+        } else {
+            assert_eq!(r.status(), 503);
+            assert_eq!(f.prefill.stats().prompt_tokens, 0);
+        }
+        let long = json!({"model": "m", "prompt": long_prompt(50), "max_tokens": 3});
+        assert_eq!(completion(&f.router, &long).await.status(), 503);
+    }
 }
 
 /// `pd.prefill_profile`: prefill steps are decided by that profile (its decisions are in

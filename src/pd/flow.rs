@@ -18,6 +18,7 @@ use crate::endpoints::{Backend, BackendRole};
 use crate::error::Error;
 use crate::forward::json_object::Members;
 use crate::forward::{Dispatch, ProxyRequest};
+use crate::prompt::RoleScope;
 use crate::scheduling::framework::CycleState;
 use crate::scheduling::profile::decisions::{self, PdStep};
 use crate::scheduling::{InflightGuard, Scheduler};
@@ -88,6 +89,9 @@ where
             path: Some(Path::Local),
         }
     };
+    if decode.role == BackendRole::Prefill {
+        return local("short prompt served whole on a prefill backend");
+    }
     // The client's body, split once for the checks and both steps' bodies.
     let Ok(Members(members)) = Members::parse(&request.body) else {
         return local("body is not a JSON object");
@@ -104,7 +108,7 @@ where
     }
     // The prefill step: the prefill profile (or the active one), prefill backends only.
     let mut prefill_view = (**view).clone();
-    prefill_view.prefill_leg = true;
+    prefill_view.roles = RoleScope::PrefillStep;
     let prefill_view = Arc::new(prefill_view);
     // Its own trace: the request's explain header and access log keep the decode pick.
     let picked = decisions::aside(|| {

@@ -46,6 +46,13 @@
 //!
 //! `n > 1`, `best_of`, `echo`, `prompt_logprobs` and beam search stay colocated: the decode
 //! engine never computes the prompt positions it pulls.
+//!
+//! A prompt whose whole estimate is within `threshold_tokens` can never be disaggregated, so
+//! with `prefill_serves_short_prompts` (the default) the prefill backends are candidates for
+//! it too ([`whole_request_roles`]): a P/D fleet keeps every server for short prompts instead
+//! of leaving its prefill servers idle while the decode servers queue them. A vLLM server with
+//! the NIXL connector (`kv_role: kv_both`) serves a request without `kv_transfer_params` as
+//! any server does.
 
 pub mod flow;
 
@@ -58,7 +65,7 @@ use serde_json::value::RawValue;
 use crate::config_error::ConfigError;
 use crate::forward::json_object::{self, Members};
 use crate::forward::kv_params::FIELD;
-use crate::prompt::{Operation, RequestView};
+use crate::prompt::{Operation, RequestView, RoleScope};
 
 /// The largest prefill answer read (a one-token completion is well under a kilobyte).
 pub const MAX_PREFILL_RESPONSE: usize = 256 * 1024;
@@ -81,6 +88,10 @@ pub struct PdConfig {
     /// The scheduling profile that picks the prefill backend (default: the active `profile`,
     /// which always picks the decode backend). Checked when the profiles are built.
     pub prefill_profile: Option<String>,
+    /// Prefill backends also serve whole requests whose prompt is no longer than
+    /// `threshold_tokens` (they can never be disaggregated), so short prompts keep the whole
+    /// fleet (default true). Off: prefill backends take prefill steps only.
+    pub prefill_serves_short_prompts: bool,
 }
 
 impl Default for PdConfig {
@@ -91,6 +102,7 @@ impl Default for PdConfig {
             max_prefill_queue_tokens: None,
             prefill_timeout_ms: 10_000,
             prefill_profile: None,
+            prefill_serves_short_prompts: true,
         }
     }
 }
@@ -166,6 +178,22 @@ pub fn wants_prefill(
         return Err("prefill queue at max_prefill_queue_tokens");
     }
     Ok(())
+}
+
+/// The roles that may serve `view` whole: any backend when P/D is on and the prompt is too
+/// short ever to be disaggregated (its whole estimate is within `threshold_tokens`) and
+/// `prefill_serves_short_prompts` lets prefill backends take such requests; else decode and
+/// both backends.
+pub fn whole_request_roles(cfg: &PdConfig, view: &RequestView) -> RoleScope {
+    if cfg.enabled
+        && cfg.prefill_serves_short_prompts
+        && operation_eligible(view)
+        && view.estimated_prompt_tokens() <= cfg.threshold_tokens
+    {
+        RoleScope::WholeShort
+    } else {
+        RoleScope::Whole
+    }
 }
 
 /// Only chat and completions can be disaggregated.
@@ -337,5 +365,39 @@ mod tests {
         }
         .validate()
         .is_err());
+    }
+
+    #[test]
+    fn which_roles_serve_a_whole_request() {
+        let cfg = PdConfig {
+            enabled: true,
+            threshold_tokens: 100,
+            ..PdConfig::default()
+        };
+        let view = |op, chars: usize| {
+            let mut v = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
+            v.operation = op;
+            v.routing_text = Some("x".repeat(chars));
+            v
+        };
+        // 400 characters ≈ 100 tokens: within the threshold, so never disaggregated.
+        let short = view(Operation::Completions, 400);
+        let long = view(Operation::Completions, 404);
+        assert_eq!(whole_request_roles(&cfg, &short), RoleScope::WholeShort);
+        assert_eq!(whole_request_roles(&cfg, &long), RoleScope::Whole);
+        let other = view(Operation::Other, 4);
+        assert_eq!(whole_request_roles(&cfg, &other), RoleScope::Whole);
+        for off in [
+            PdConfig {
+                enabled: false,
+                ..cfg.clone()
+            },
+            PdConfig {
+                prefill_serves_short_prompts: false,
+                ..cfg.clone()
+            },
+        ] {
+            assert_eq!(whole_request_roles(&off, &short), RoleScope::Whole);
+        }
     }
 }

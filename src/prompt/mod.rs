@@ -95,9 +95,22 @@ pub struct RequestView {
     /// The body's top-level object has a `kv_transfer_params` key (noted while parsing; the
     /// forward stage removes it unless configured otherwise, see `crate::forward::kv_params`).
     pub kv_transfer_params: bool,
-    /// This is the prefill step of a disaggregated request (`crate::pd`): the role filter
-    /// keeps only `prefill` backends. Never set by the parser.
-    pub prefill_leg: bool,
+    /// Which backend roles may take it (`role-filter`); set by the scheduling layer and the
+    /// P/D flow (`crate::pd`), never by the parser.
+    pub roles: RoleScope,
+}
+
+/// Which prefill/decode roles of backend may take a request (see `role-filter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RoleScope {
+    /// A whole request: `decode` and `both` backends.
+    #[default]
+    Whole,
+    /// A whole request whose prompt is too short ever to be disaggregated: `prefill`
+    /// backends may take it too (`pd.prefill_serves_short_prompts`).
+    WholeShort,
+    /// The prefill step of a disaggregated request: `prefill` backends only.
+    PrefillStep,
 }
 
 impl RequestView {
@@ -159,7 +172,7 @@ impl RequestView {
             priority: 0,
             tenant: 0,
             kv_transfer_params: false,
-            prefill_leg: false,
+            roles: RoleScope::Whole,
         }
     }
 }
@@ -351,7 +364,7 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params: chat.kv_transfer_params.0,
-        prefill_leg: false,
+        roles: RoleScope::Whole,
     })
 }
 
@@ -494,7 +507,7 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params: req.kv_transfer_params.0,
-        prefill_leg: false,
+        roles: RoleScope::Whole,
     })
 }
 
@@ -531,7 +544,7 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         priority: 0,
         tenant: 0,
         kv_transfer_params,
-        prefill_leg: false,
+        roles: RoleScope::Whole,
     })
 }
 

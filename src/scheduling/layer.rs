@@ -392,6 +392,11 @@ where
                 None => None,
             };
             budget.deposit();
+            let mut request = request;
+            let roles = crate::pd::whole_request_roles(&settings.pd, &request.view);
+            if roles != request.view.roles {
+                Arc::make_mut(&mut request.view).roles = roles;
+            }
             let request = Arc::new(request);
             // The request's own plugin state, kept across retries and waits (block hashes are
             // computed once).

@@ -29,7 +29,7 @@ use super::registry::build;
 use crate::config_error::ConfigError;
 use crate::endpoints::engine::EngineMetricNames;
 use crate::endpoints::Candidate;
-use crate::prompt::RequestView;
+use crate::prompt::{RequestView, RoleScope};
 
 /// The profile used when the config defines none, tuned with `loadgen compare` (see
 /// `bench/results/tuning-*.md` and `bench/results/scheduling-2026-12-01.md`): a saturation
@@ -181,7 +181,7 @@ impl Profile {
     /// else this one.
     pub fn for_request(&self, request: &RequestView) -> &Profile {
         match &self.prefill {
-            Some(prefill) if request.prefill_leg => prefill,
+            Some(prefill) if request.roles == RoleScope::PrefillStep => prefill,
             _ => self,
         }
     }

@@ -487,7 +487,7 @@ fn a_prefill_profile_schedules_prefill_steps() {
     );
     let mut view = RequestView::parse(Operation::Completions, br#"{"prompt":"x"}"#).unwrap();
     assert_eq!(p.for_request(&view).name, "decode");
-    view.prefill_leg = true;
+    view.roles = crate::prompt::RoleScope::PrefillStep;
     assert_eq!(p.for_request(&view).name, "prefill");
     // Naming the active profile, or none, leaves one profile for both.
     let same = build_active(&config(&text.replace(

@@ -1,9 +1,11 @@
-//! `role-filter`: keeps only backends that serve whole requests, i.e. whose prefill/decode
-//! role is `decode` or `both`. A `prefill` backend is meant for the prefill leg of a
-//! disaggregated request (prompt in, KV cache out, one token, see `crate::pd`), so an ordinary
-//! request must never land there, and the prefill step ([`RequestView::prefill_leg`]) only
-//! there. Always part of every profile, after the health and model filters: when only prefill
-//! backends serve the model, the request is refused as unavailable (503).
+//! `role-filter`: keeps the backends whose prefill/decode role may take the request, by its
+//! [`RoleScope`]: a whole request goes to `decode` and `both` backends; the prefill step of a
+//! disaggregated request (prompt in, KV cache out, one token, see `crate::pd`) to `prefill`
+//! backends only; a whole request whose prompt is too short ever to be disaggregated
+//! (`pd.prefill_serves_short_prompts`, set by the scheduling layer) to any of the three, so a
+//! P/D fleet keeps all its servers for short prompts. Always part of every profile, after the
+//! health and model filters: when no backend of an allowed role serves the model, the request
+//! is refused as unavailable (503).
 //!
 //! Inputs: `Backend::role` (from `role` in `[[backends]]`, discovery's `backend_defaults`, a
 //! file entry, or the Kubernetes role label).
@@ -11,7 +13,7 @@
 use std::sync::Arc;
 
 use crate::endpoints::{BackendRole, Candidate};
-use crate::prompt::RequestView;
+use crate::prompt::{RequestView, RoleScope};
 use crate::scheduling::framework::{Filter, Plugin, Rejection};
 use crate::scheduling::plugins::identity;
 
@@ -33,10 +35,12 @@ impl Plugin for RoleFilter {
 
 impl Filter for RoleFilter {
     fn filter(&self, request: &RequestView, candidates: &mut Vec<Candidate<'_>>) {
-        if request.prefill_leg {
-            candidates.retain(|c| c.backend.role == BackendRole::Prefill);
-        } else {
-            candidates.retain(|c| c.backend.role.serves_whole_requests());
+        match request.roles {
+            RoleScope::Whole => candidates.retain(|c| c.backend.role.serves_whole_requests()),
+            RoleScope::PrefillStep => {
+                candidates.retain(|c| c.backend.role == BackendRole::Prefill);
+            }
+            RoleScope::WholeShort => {}
         }
     }
 
