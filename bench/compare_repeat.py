@@ -42,6 +42,10 @@ COLUMNS = [
     ("TTFT p90", lambda s: s["ttft"]["p90"], "{:.3f}s"),
     ("TTFT p99", lambda s: s["ttft"]["p99"], "{:.3f}s"),
     ("E2E p90", lambda s: s["e2e"]["p90"], "{:.3f}s"),
+    # Time per output token after the first (per request, p90), and requests/s meeting both
+    # objectives when the run sets `--slo-*`.
+    ("TPOT p90", lambda s: 1000 * s["tpot"]["p90"] if s.get("tpot") else None, "{:.2f}ms"),
+    ("goodput", lambda s: s.get("goodput_per_s"), "{:.2f}/s"),
     ("hit rate", lambda s: (s.get("fleet") or {}).get("hit_rate"), "{:.3f}"),
     ("hit/req", lambda s: (s.get("fleet") or {}).get("hit_rate_per_request"), "{:.3f}"),
     ("hit/max", lambda s: s.get("hit_rate_vs_max"), "{:.2f}"),
@@ -175,17 +179,18 @@ def main():
         if hm is not None:
             lines.append(f"- default hit rate / maximum: {hm:.2f}")
     lines += ["", "## Every run", ""]
-    lines.append("| run | policy | TTFT p90 | out tok/s | hit/max |")
-    lines.append("| --- | --- | --- | --- | --- |")
+    lines.append("| run | policy | TTFT p90 | TPOT p90 | out tok/s | hit/max |")
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     for i, run in enumerate(runs, 1):
         for row in run["rows"]:
             s = row.get("summary")
             if not s:
-                lines.append(f"| {i} | {row['policy']} | failed: {row.get('failure')} | | |")
+                lines.append(f"| {i} | {row['policy']} | failed: {row.get('failure')} | | | |")
                 continue
             hm = s.get("hit_rate_vs_max")
+            tpot = f"{1000 * s['tpot']['p90']:.2f}ms" if s.get("tpot") else "-"
             lines.append(
-                f"| {i} | {row['policy']} | {s['ttft']['p90']:.3f}s | "
+                f"| {i} | {row['policy']} | {s['ttft']['p90']:.3f}s | {tpot} | "
                 f"{s['output_tokens_per_s']:.0f} | {'-' if hm is None else f'{hm:.2f}'} |"
             )
     text = "\n".join(lines) + "\n"
