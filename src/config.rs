@@ -24,6 +24,7 @@
 //! | `[kv_events]` | [`KvEventsConfig`] | [`crate::kv_events`] |
 //! | `[tokenization]` | [`TokenizationConfig`] | [`crate::tokenization`] |
 //! | `[pd]` | [`PdConfig`] | [`crate::pd`] |
+//! | `[responses]` | [`ResponsesConfig`] | [`crate::responses`] |
 //!
 //! The flow is parse → defaults → CLI overrides → validate → build. Every struct denies
 //! unknown fields, so a typo in `config.toml` stops the router at start with a message that
@@ -48,6 +49,7 @@ pub use crate::forward::ForwardConfig;
 pub use crate::front_door::{auth::AuthConfig, serve::ServerConfig, status::AdminConfig};
 pub use crate::kv_events::KvEventsConfig;
 pub use crate::pd::PdConfig;
+pub use crate::responses::ResponsesConfig;
 pub use crate::scheduling::admission::LimitsConfig;
 pub use crate::scheduling::config::{PluginSpec, ProfilePluginRef, ProfileSpec};
 pub use crate::scheduling::priority::{KeyPriority, PriorityConfig};
@@ -103,6 +105,8 @@ pub struct Config {
     pub kv_events: KvEventsConfig,
     /// `[pd]`: prefill/decode disaggregation (off by default).
     pub pd: PdConfig,
+    /// `[responses]`: the Responses API's calls follow the response to its backend.
+    pub responses: ResponsesConfig,
 }
 
 impl Default for Config {
@@ -134,6 +138,7 @@ impl Default for Config {
             tokenization: TokenizationConfig::default(),
             kv_events: KvEventsConfig::default(),
             pd: PdConfig::default(),
+            responses: ResponsesConfig::default(),
         }
     }
 }
@@ -202,6 +207,7 @@ impl Config {
         }
         self.priority.validate()?;
         self.pd.validate()?;
+        self.responses.validate()?;
         Ok(())
     }
 

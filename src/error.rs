@@ -66,6 +66,15 @@ pub enum Error {
     /// The route exists but not for this method.
     #[error("method {0} is not allowed on this route")]
     MethodNotAllowed(String),
+    /// No backend holds the response a Responses API call names (vLLM's own wording).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
+    /// Whether some backend holds the named response cannot be told now (a backend did not
+    /// answer the lookup).
+    #[error(
+        "could not tell which backend holds response '{0}' (not every backend answered); retry"
+    )]
+    ResponseUnresolved(String),
     /// A bug or an impossible state: reported as 500 without crashing.
     #[error("internal error: {0}")]
     Internal(String),
@@ -129,6 +138,12 @@ impl Error {
                 "invalid_request_error",
                 Some("method_not_allowed"),
             ),
+            Error::ResponseNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", None),
+            Error::ResponseUnresolved(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("response_lookup_incomplete"),
+            ),
             Error::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error", None),
         }
     }
@@ -139,6 +154,7 @@ impl Error {
             Error::MissingField(field) => Some(field),
             Error::InvalidParam { param, .. } => Some(param),
             Error::ModelNotFound(_) | Error::NoHealthyBackend(_) => Some("model"),
+            Error::ResponseNotFound(_) | Error::ResponseUnresolved(_) => Some("response_id"),
             _ => None,
         }
     }
@@ -181,12 +197,24 @@ pub fn openai_error_body(
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         let (status, kind, code) = self.parts();
-        let body = openai_error_body(self.to_string(), kind, self.param(), code);
+        let body = match &self {
+            // vLLM's body for it, whose `code` is the status number (`ErrorInfo` in
+            // `vllm/entrypoints/serve/engine/protocol.py`, 0.32.0), so a client sees the same
+            // answer behind the router as from one vLLM.
+            Error::ResponseNotFound(_) => serde_json::json!({"error": {
+                "message": self.to_string(),
+                "type": kind,
+                "param": self.param(),
+                "code": status.as_u16(),
+            }})
+            .to_string(),
+            _ => openai_error_body(self.to_string(), kind, self.param(), code),
+        };
         let retry_after = match &self {
             Error::TooManyRequests {
                 retry_after_secs, ..
             } => Some(*retry_after_secs),
-            Error::NoHealthyBackend(_) | Error::Saturated => Some(1),
+            Error::NoHealthyBackend(_) | Error::Saturated | Error::ResponseUnresolved(_) => Some(1),
             _ => None,
         };
         let unauthorized = matches!(self, Error::Unauthorized);

@@ -22,6 +22,9 @@
 //!   let the prefix scorer remember where each prompt went.
 //! * [`pd`] — prefill/decode disaggregation: per attempt, the rule that sends a long prompt's
 //!   prefill to a `prefill` backend first and hands its KV params to the decode backend.
+//! * [`responses`] — the Responses API's calls that name a response (`previous_response_id`,
+//!   `/v1/responses/{id}…`) go to the backend holding it: a bounded id table learnt from the
+//!   answers, and a bounded lookup round when the id is unknown.
 //! * [`forward`] — hyper client with pooled keep-alive connections, plain TCP or TLS
 //!   (`forward::tls`: rustls, per-CA client settings); streams the response back frame by frame
 //!   and releases the backend's in-flight count when the body ends.
@@ -55,6 +58,7 @@ pub mod kv_events;
 pub mod pd;
 pub mod prompt;
 pub mod reload;
+pub mod responses;
 pub mod scheduling;
 pub mod telemetry;
 pub mod tokenization;
@@ -191,6 +195,7 @@ pub async fn run_reloadable(
         )),
         decisions,
         tokenizers: Arc::new(tokenization::Tokenizers::load(&config.tokenization)?),
+        responses: Arc::new(responses::Lookup::new(&config.responses)),
     });
     let live = reload::Live {
         config: arc_swap::ArcSwap::new(Arc::clone(&config)),

@@ -62,6 +62,9 @@ pub const KV_PRECISE_DECISIONS: &str = "inferlb_prefix_precise_candidates_total"
 pub const KV_TRANSFER_PARAMS_STRIPPED: &str = "inferlb_kv_transfer_params_stripped_total";
 pub const PD_REQUESTS: &str = "inferlb_pd_requests_total";
 pub const PD_STEP_DURATION: &str = "inferlb_pd_step_duration_seconds";
+pub const RESPONSES_AFFINITY: &str = "inferlb_responses_affinity_total";
+pub const RESPONSES_LOOKUP_DURATION: &str = "inferlb_responses_lookup_duration_seconds";
+pub const RESPONSES_IDS: &str = "inferlb_responses_ids";
 
 /// Every series inferlb exports, with its help text (also the README's reference).
 pub const DESCRIPTIONS: &[(&str, &str)] = &[
@@ -105,6 +108,9 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (KV_TRANSFER_PARAMS_STRIPPED, "Client requests whose own top-level kv_transfer_params was removed before forwarding (forward.allow_client_kv_transfer_params is off)."),
     (PD_REQUESTS, "Chat and completions requests while [pd] is enabled with prefill backends, by path (disaggregated: prefill and decode on two backends; local: colocated by the rule; fallback: the prefill step failed, served colocated)."),
     (PD_STEP_DURATION, "Time of one step of a disaggregated request, by step (prefill: until the prefill answer is read; decode: until the decode backend's response head)."),
+    (RESPONSES_AFFINITY, "Responses API calls naming a response (previous_response_id, /v1/responses/{id}...), by how its backend was found (known: the id table; found: a lookup; not_found: nobody has it, answered 404; unresolved: a lookup could not ask every backend, answered 503)."),
+    (RESPONSES_LOOKUP_DURATION, "Time of one lookup of an unknown response id across the fleet (GET /v1/responses/{id} to the schedulable backends)."),
+    (RESPONSES_IDS, "Response ids in the router's table (id -> holding backend), approximate."),
     (KV_PRECISE_DECISIONS, "Candidates scored by the prefix scorer, by source (precise: from the backend's KV events; approximate: from the router's own index)."),
 ];
 

@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -23,6 +23,7 @@ use tower::ServiceExt;
 
 pub mod access;
 pub mod auth;
+pub mod responses;
 pub mod serve;
 pub mod status;
 
@@ -66,6 +67,8 @@ pub struct AppState {
     pub decisions: Arc<DecisionLog>,
     /// Model → Hugging Face tokenizer (loaded at start-up; empty when none is configured).
     pub tokenizers: Arc<crate::tokenization::Tokenizers>,
+    /// Which backend holds which response (the Responses API's affinity).
+    pub responses: Arc<crate::responses::Lookup>,
 }
 
 /// Request header asking for the decision summary (`1`); honoured with `admin.explain` or
@@ -82,6 +85,10 @@ pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/responses", post(responses_create))
+        // Any method on one response (GET, cancel, and what vLLM may add): to its holder.
+        .route("/v1/responses/{id}", any(response_by_id))
+        .route("/v1/responses/{id}/{*rest}", any(response_by_id))
         .route("/v1/{*rest}", post(other))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state.auth),
@@ -131,6 +138,15 @@ async fn completions(State(app): State<Arc<AppState>>, req: Request) -> Response
 }
 
 async fn other(State(app): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(app, Operation::Other, req).await
+}
+
+async fn responses_create(State(app): State<Arc<AppState>>, req: Request) -> Response {
+    proxy(app, Operation::Responses, req).await
+}
+
+/// `/v1/responses/{id}…`: routed as any other call, pinned to the response's holder.
+async fn response_by_id(State(app): State<Arc<AppState>>, req: Request) -> Response {
     proxy(app, Operation::Other, req).await
 }
 
@@ -286,6 +302,14 @@ async fn forward(
             "the path must not contain `.` or `..` segments, encoded slashes or backslashes".into(),
         ));
     }
+    // The Responses API's calls naming a response go to its holder.
+    let by_id = match parts.uri.path().starts_with(responses::BY_ID_PREFIX) {
+        true => Some(responses::id_in_path(parts.uri.path())?),
+        false => None,
+    };
+    if let Some(id) = responses::named(operation, by_id, &view) {
+        responses::pin(app, &id, &parts.headers, &mut view).await?;
+    }
     facts.request_id = Some(request_id.clone());
     facts.prompt_bytes = view.routing_text.as_ref().map_or(0, String::len);
     // Only a model some backend lists may become a label; anything else is `other`.
@@ -304,7 +328,11 @@ async fn forward(
         request_id,
         received_at,
     };
-    app.service.clone().oneshot(request).await
+    let response = app.service.clone().oneshot(request).await?;
+    Ok(match operation {
+        Operation::Responses => responses::learn(app, response),
+        _ => response,
+    })
 }
 
 /// Fill in the view's session key, tenant and priority class from the headers and the auth
@@ -398,6 +426,7 @@ async fn prometheus(State(app): State<Arc<AppState>>) -> Response {
     app.pool.count_states();
     crate::kv_events::subscriber::count_streams(&app.pool);
     app.service.refresh_metrics();
+    metrics::gauge!(t::RESPONSES_IDS).set(app.responses.directory.len() as f64);
     match &app.metrics {
         Some(handle) => (
             [(

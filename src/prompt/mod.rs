@@ -22,6 +22,7 @@
 
 pub mod fields;
 pub mod multipart;
+pub mod responses;
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -68,7 +69,10 @@ pub fn json_depth(body: &[u8]) -> usize {
 pub enum Operation {
     ChatCompletions,
     Completions,
-    /// Any other `/v1/*` POST (embeddings, audio, …): routed by model and load only.
+    /// `POST /v1/responses` (OpenAI's Responses API): `instructions` + `input` are the prompt.
+    Responses,
+    /// Any other `/v1/*` POST (embeddings, audio, …), and the Responses API's calls on one
+    /// response (`/v1/responses/{id}…`): routed by model and load only.
     Other,
 }
 
@@ -98,6 +102,12 @@ pub struct RequestView {
     /// Which backend roles may take it (`role-filter`); set by the scheduling layer and the
     /// P/D flow (`crate::pd`), never by the parser.
     pub roles: RoleScope,
+    /// `previous_response_id` of a Responses API request (checked: a string of at most
+    /// [`responses::MAX_ID_LEN`] bytes).
+    pub previous_response: Option<String>,
+    /// The backend (by name) that must take the request: the holder of the response it
+    /// names (`pinned-filter`). Set by the front door, never by the parser.
+    pub pinned: Option<Arc<str>>,
 }
 
 /// Which prefill/decode roles of backend may take a request (see `role-filter`).
@@ -154,6 +164,7 @@ impl RequestView {
         match operation {
             Operation::ChatCompletions => parse_chat(body, limits),
             Operation::Completions => parse_completions(body),
+            Operation::Responses => responses::parse(body, limits),
             Operation::Other => parse_other(body),
         }
     }
@@ -173,6 +184,8 @@ impl RequestView {
             tenant: 0,
             kv_transfer_params: false,
             roles: RoleScope::Whole,
+            previous_response: None,
+            pinned: None,
         }
     }
 }
@@ -232,11 +245,21 @@ struct Message<'a> {
 
 /// Message content of `messages[index]`: a string, an array of parts, or null.
 fn render_content(raw: &RawValue, index: usize, out: &mut String) -> Result<(), Error> {
+    render_content_of("messages", raw, index, out)
+}
+
+/// Content of `{list}[index]` (`messages` of chat, `input` of the Responses API).
+pub(crate) fn render_content_of(
+    list: &str,
+    raw: &RawValue,
+    index: usize,
+    out: &mut String,
+) -> Result<(), Error> {
     let json = raw.get();
     let invalid = |e: &dyn std::fmt::Display| {
         invalid_param(
-            format!("messages[{index}].content"),
-            format!("invalid `messages[{index}].content`: {e}"),
+            format!("{list}[{index}].content"),
+            format!("invalid `{list}[{index}].content`: {e}"),
         )
     };
     match json.as_bytes().first() {
@@ -250,8 +273,8 @@ fn render_content(raw: &RawValue, index: usize, out: &mut String) -> Result<(), 
                 render_part(part, out).map_err(|e| match e {
                     PartError::Json(e) => invalid(&e),
                     PartError::Missing { field, message } => invalid_param(
-                        format!("messages[{index}].content[{j}].{field}"),
-                        format!("`messages[{index}].content[{j}]` {message}"),
+                        format!("{list}[{index}].content[{j}].{field}"),
+                        format!("`{list}[{index}].content[{j}]` {message}"),
                     ),
                 })?;
             }
@@ -365,6 +388,8 @@ fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
         tenant: 0,
         kv_transfer_params: chat.kv_transfer_params.0,
         roles: RoleScope::Whole,
+        previous_response: None,
+        pinned: None,
     })
 }
 
@@ -404,7 +429,7 @@ fn render_part(raw: &RawValue, out: &mut String) -> Result<(), PartError> {
         }
     }
     match (kind, part.text) {
-        ("text" | "input_text", Some(text)) => out.push_str(&text),
+        ("text" | "input_text" | "output_text", Some(text)) => out.push_str(&text),
         (kind, _) => {
             // Media and unknown parts: a short, stable stand-in for their content.
             let _ = write!(out, "<{kind}:{:016x}>", xxh3_64(raw.get().as_bytes()));
@@ -508,6 +533,8 @@ fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
         tenant: 0,
         kv_transfer_params: req.kv_transfer_params.0,
         roles: RoleScope::Whole,
+        previous_response: None,
+        pinned: None,
     })
 }
 
@@ -545,6 +572,8 @@ fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
         tenant: 0,
         kv_transfer_params,
         roles: RoleScope::Whole,
+        previous_response: None,
+        pinned: None,
     })
 }
 

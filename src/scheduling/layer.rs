@@ -229,6 +229,16 @@ pub struct SchedulerService<S> {
 }
 
 impl<S> SchedulerService<S> {
+    /// The scheduler deciding for this stack (for side requests that pick one backend).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.shared.scheduler
+    }
+
+    /// The service the picked requests are sent through.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
     /// Requests waiting in the router's queue now.
     pub fn queued(&self) -> usize {
         self.shared.queue.waiting()

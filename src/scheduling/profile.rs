@@ -17,8 +17,8 @@ use super::framework::{
     CycleState, Filter, Link, Picker, Plugin, PluginInstance, Rejection, Scorer,
 };
 use super::plugins::filter::{
-    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, role::RoleFilter,
-    saturation::SaturationFilter,
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, pinned::PinnedFilter,
+    role::RoleFilter, saturation::SaturationFilter,
 };
 use super::plugins::picker::max_score::MaxScorePicker;
 use super::plugins::scorer::{
@@ -537,7 +537,7 @@ fn build_profile(
             }
         }
     }
-    // Health, model and role are not optional: prepend them unless the profile already has
+    // Health, model, role and pinning are not optional: prepend them unless the profile already has
     // them.
     let has = |t: &str| filters.iter().any(|f| f.type_name() == t);
     let mut mandatory: Vec<Arc<dyn Filter>> = Vec::new();
@@ -549,6 +549,9 @@ fn build_profile(
     }
     if !has(RoleFilter::TYPE) {
         mandatory.push(Arc::new(RoleFilter::new(RoleFilter::TYPE)));
+    }
+    if !has(PinnedFilter::TYPE) {
+        mandatory.push(Arc::new(PinnedFilter::new(PinnedFilter::TYPE)));
     }
     mandatory.extend(filters);
     // The hard per-backend limit comes last, so "everyone is full" can be told apart from

@@ -35,7 +35,7 @@ fn default_profile_when_none_configured() {
     let p = build_active(&config("")).unwrap();
     assert_eq!(
         p.describe(),
-        "default: healthy-filter → model-filter → role-filter → saturation-filter → prefix-cache-scorer×2 → \
+        "default: healthy-filter → model-filter → role-filter → pinned-filter → saturation-filter → prefix-cache-scorer×2 → \
          prefill-cost-scorer×1 → kv-cache-utilization-scorer×1 → max-score-picker"
     );
 }
@@ -66,7 +66,7 @@ fn configured_profile_is_built() {
     .unwrap();
     assert_eq!(
         p.describe(),
-        "rr: healthy-filter → model-filter → role-filter → q×2.5 → round-robin-picker"
+        "rr: healthy-filter → model-filter → role-filter → pinned-filter → q×2.5 → round-robin-picker"
     );
 }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use super::framework::{PluginInstance, Role};
 use super::plugins::filter::{
-    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, role::RoleFilter,
-    saturation::SaturationFilter,
+    capacity::CapacityFilter, healthy::HealthyFilter, model::ModelFilter, pinned::PinnedFilter,
+    role::RoleFilter, saturation::SaturationFilter,
 };
 use super::plugins::picker::{
     max_score::MaxScorePicker, random::RandomPicker, round_robin::RoundRobinPicker,
@@ -81,6 +81,7 @@ pub const REGISTRY: &[Registration] = &[
     plain!(HealthyFilter, Filter),
     plain!(ModelFilter, Filter),
     plain!(RoleFilter, Filter),
+    plain!(PinnedFilter, Filter),
     with_parameters!(SaturationFilter, Filter, "max_waiting = 8.0"),
     with_parameters!(CapacityFilter, Filter, "max_inflight = 4"),
     plain!(KvCacheUtilizationScorer, Scorer),

@@ -175,7 +175,7 @@ impl Tokenizers {
             (Operation::Completions, None) => t.tok.completion_ids(body).map(|ids| (ids, 0)),
             // Token-id prompts: already known.
             (Operation::Completions, Some(_)) => Err(TokenizeError::Unsupported("token ids")),
-            (Operation::Other, _) => return,
+            (Operation::Responses | Operation::Other, _) => return,
         };
         let salt = cache_salt(body);
         match ids {

@@ -2,5 +2,6 @@
 pub mod capacity;
 pub mod healthy;
 pub mod model;
+pub mod pinned;
 pub mod role;
 pub mod saturation;
