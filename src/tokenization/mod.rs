@@ -17,6 +17,7 @@
 //! It owns the `[tokenization]` section ([`TokenizationConfig`]).
 
 pub mod prefix_cache;
+pub mod responses;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -175,7 +176,10 @@ impl Tokenizers {
             (Operation::Completions, None) => t.tok.completion_ids(body).map(|ids| (ids, 0)),
             // Token-id prompts: already known.
             (Operation::Completions, Some(_)) => Err(TokenizeError::Unsupported("token ids")),
-            (Operation::Responses | Operation::Other, _) => return,
+            (Operation::Responses, _) => {
+                responses::as_chat(body).and_then(|chat| t.chat_ids(&chat))
+            }
+            (Operation::Other, _) => return,
         };
         let salt = cache_salt(body);
         match ids {
@@ -183,7 +187,7 @@ impl Tokenizers {
                 let m = self.meters.get_or_init(Meters::new);
                 let took = started.elapsed().as_secs_f64();
                 match view.operation {
-                    Operation::ChatCompletions => m.chat.record(took),
+                    Operation::ChatCompletions | Operation::Responses => m.chat.record(took),
                     _ => m.completions.record(took),
                 }
                 m.from_cache.increment(reused as u64);
@@ -329,6 +333,38 @@ mod tests {
         assert_eq!(
             (t.ids.as_slice(), t.cache_salt.as_deref()),
             (&[7, 8, 9][..], Some("s2"))
+        );
+    }
+
+    #[test]
+    fn a_responses_body_has_the_ids_of_its_chat_rendering() {
+        let cfg = TokenizationConfig {
+            models: [("tiny".to_owned(), PathBuf::from(FIXTURE))].into(),
+            ..TokenizationConfig::default()
+        };
+        let toks = Tokenizers::load(&cfg).unwrap();
+        let ids = |op, body: &str| {
+            let mut view = RequestView::parse(op, body.as_bytes()).unwrap();
+            toks.fill(&mut view, body.as_bytes());
+            view.tokens.map(|t| t.ids.clone())
+        };
+        let responses = ids(
+            Operation::Responses,
+            r#"{"model":"tiny","instructions":"be brief","input":"hello world"}"#,
+        );
+        let chat = ids(
+            Operation::ChatCompletions,
+            r#"{"model":"tiny","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hello world"}]}"#,
+        );
+        assert!(responses.is_some());
+        assert_eq!(responses, chat);
+        let follow_up = ids(
+            Operation::Responses,
+            r#"{"model":"tiny","input":"x","previous_response_id":"resp_1"}"#,
+        );
+        assert_eq!(
+            follow_up, None,
+            "the server's history is not ours to render"
         );
     }
 
