@@ -7,8 +7,11 @@
 //!
 //! It also enforces two deadlines: the longest silence between chunks and the end of the
 //! whole request. When a Server-Sent-Events stream breaks (backend error, cut connection,
-//! deadline, or an end without `data: [DONE]`), the client gets a final `data: {"error":…}`
-//! event and a clean end of stream instead of a hang or a torn connection.
+//! deadline, or an end without its end marker), the client gets a final `data: {"error":…}`
+//! event and a clean end of stream instead of a hang or a torn connection. The end marker is
+//! `data: [DONE]` for chat and completions; the Responses API has none (vLLM's stream ends
+//! after `response.completed`, `api_router.py` in `vllm/entrypoints/openai/responses`, 0.32.0),
+//! so there a terminal event must have passed ([`SseEnd`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -51,6 +54,49 @@ impl Discard {
     }
 }
 
+/// How an SSE stream shows that it ended as the backend meant it to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SseEnd {
+    /// `data: [DONE]` last (chat and completions).
+    Done,
+    /// A terminal Responses API event passed (`response.completed`, `response.failed`,
+    /// `response.incomplete`, `error`): the stream ends after it, with no `[DONE]`.
+    ResponseEvent,
+}
+
+/// Markers of a terminal Responses API event: its `event:` line, or its JSON `type` for
+/// servers that send no event lines.
+const TERMINAL_EVENTS: [&[u8]; 7] = [
+    b"event: response.completed",
+    b"event: response.failed",
+    b"event: response.incomplete",
+    b"event: error",
+    b"\"type\":\"response.completed\"",
+    b"\"type\":\"response.failed\"",
+    b"\"type\":\"response.incomplete\"",
+];
+
+/// Bytes kept from the end of the stream: enough for the longest marker to span two chunks.
+const TAIL: usize = 32;
+
+/// Does `data`, or its start joined to `before` (the stream's previous bytes), hold a
+/// terminal event marker?
+fn terminal_in(before: &[u8], data: &[u8]) -> bool {
+    let found = |hay: &[u8]| {
+        TERMINAL_EVENTS
+            .iter()
+            .any(|m| memchr::memmem::find(hay, m).is_some())
+    };
+    if found(data) {
+        return true;
+    }
+    let mut seam = [0u8; 2 * TAIL];
+    let head = &data[..data.len().min(TAIL)];
+    seam[..before.len()].copy_from_slice(before);
+    seam[before.len()..before.len() + head.len()].copy_from_slice(head);
+    found(&seam[..before.len() + head.len()])
+}
+
 /// Time limits of one response body.
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimits {
@@ -71,8 +117,12 @@ pub struct GuardedBody {
     error_status: bool,
     /// The response is an SSE stream: failures become a final error event.
     sse: bool,
-    /// The last bytes seen, to tell whether an SSE stream ended with `[DONE]`.
-    tail: [u8; 16],
+    /// How that stream marks its proper end.
+    end: SseEnd,
+    /// A terminal event passed ([`SseEnd::ResponseEvent`]).
+    terminal_seen: bool,
+    /// The last bytes seen, to tell whether an SSE stream ended with its end marker.
+    tail: [u8; TAIL],
     tail_len: usize,
     limits: BodyLimits,
     /// Fires every idle period; a frame since the last firing means the stream is alive.
@@ -92,7 +142,7 @@ impl GuardedBody {
         guard: InflightGuard,
         received_at: std::time::Instant,
         error_status: bool,
-        sse: bool,
+        sse: Option<SseEnd>,
         limits: BodyLimits,
     ) -> Self {
         let timer = Box::pin(tokio::time::sleep_until(next_wake(&limits)));
@@ -104,8 +154,10 @@ impl GuardedBody {
             received_at,
             first_byte_seen: false,
             error_status,
-            sse,
-            tail: [0; 16],
+            sse: sse.is_some(),
+            end: sse.unwrap_or(SseEnd::Done),
+            terminal_seen: false,
+            tail: [0; TAIL],
             tail_len: 0,
             limits,
             timer,
@@ -193,7 +245,10 @@ impl GuardedBody {
     }
 
     fn remember_tail(&mut self, data: &[u8]) {
-        const N: usize = 16;
+        if self.end == SseEnd::ResponseEvent && !self.terminal_seen {
+            self.terminal_seen = terminal_in(&self.tail[..self.tail_len], data);
+        }
+        const N: usize = TAIL;
         if data.len() >= N {
             self.tail.copy_from_slice(&data[data.len() - N..]);
             self.tail_len = N;
@@ -206,7 +261,11 @@ impl GuardedBody {
         }
     }
 
+    /// Did the stream end with its end marker?
     fn saw_done(&self) -> bool {
+        if self.end == SseEnd::ResponseEvent {
+            return self.terminal_seen;
+        }
         let tail = &self.tail[..self.tail_len];
         let trimmed = tail
             .iter()
@@ -290,7 +349,12 @@ impl Body for GuardedBody {
             }
             Poll::Ready(None) => {
                 if this.sse && !this.error_status && this.guard.is_some() && !this.saw_done() {
-                    return this.fail("the backend ended the stream before [DONE]".into());
+                    return this.fail(match this.end {
+                        SseEnd::Done => "the backend ended the stream before [DONE]".into(),
+                        SseEnd::ResponseEvent => {
+                            "the backend ended the stream before its final event".into()
+                        }
+                    });
                 }
                 this.settle();
                 Poll::Ready(None)
@@ -340,6 +404,32 @@ impl Drop for GuardedBody {
                     .increment(1);
             }
             self.finish();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_responses_events_are_seen_within_and_across_chunks() {
+        let completed = b"event: response.completed\ndata: {\"response\":{},\"type\":\"response.completed\"}\n\n";
+        assert!(terminal_in(b"", completed));
+        // Split inside the marker: the seam of the previous tail and this chunk.
+        let (a, b) = completed.split_at(12);
+        assert!(!terminal_in(b"", a));
+        assert!(terminal_in(a, b));
+        assert!(terminal_in(
+            b"",
+            b"data: {\"type\":\"response.failed\"}\n\n"
+        ));
+        for not_terminal in [
+            &b"event: response.output_text.delta\ndata: {\"delta\":\"x\"}\n\n"[..],
+            b"event: response.created\n",
+            b"data: [DONE]\n\n",
+        ] {
+            assert!(!terminal_in(b"", not_terminal));
         }
     }
 }

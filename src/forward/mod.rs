@@ -255,7 +255,14 @@ impl tower::Service<Dispatch> for Forwarder {
                 .headers
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.starts_with("text/event-stream"));
+                .is_some_and(|v| v.starts_with("text/event-stream"))
+                .then(|| {
+                    if original.path_and_query.starts_with("/v1/responses") {
+                        body::SseEnd::ResponseEvent
+                    } else {
+                        body::SseEnd::Done
+                    }
+                });
             let limits = body::BodyLimits {
                 idle: this.stream_idle_timeout,
                 deadline,
