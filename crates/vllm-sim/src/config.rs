@@ -15,9 +15,10 @@ pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 /// A vLLM stand-in with a faithful KV cache, prefix cache, scheduler and latency model.
 ///
-/// Serves the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
-/// Prometheus `/metrics` with vLLM's metric names, the probes SGLang's and vLLM's routers send
-/// to workers, and `POST /sim/faults` to inject failures at run time.
+/// Serves the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+/// `/v1/models`), `/health`, Prometheus `/metrics` with vLLM's metric names, the probes
+/// SGLang's and vLLM's routers send to workers, and `POST /sim/faults` to inject failures at
+/// run time.
 #[derive(Debug, Clone, PartialEq, Parser)]
 #[command(name = "vllm-sim", version, about, long_about = None)]
 pub struct SimConfig {
