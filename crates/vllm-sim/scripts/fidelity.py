@@ -253,6 +253,7 @@ def main():
     say()
     say(GAPS)
     say(PD)
+    say(RESPONSES)
     print("\n".join(out))
 
 
@@ -371,6 +372,69 @@ Where it departs from vLLM, on purpose or for want of a model:
 - `vllm:external_prefix_cache_queries` counts pulled requests only; vLLM counts every request
   once a connector is configured.
 - No NIXL transfer metrics: none are named in the sources above, so no series was added.
+"""
+
+
+# Not measured by this script (read from vLLM's source and the research notes' live checks).
+RESPONSES = """## Responses API
+
+Not compared by `fidelity.sh`: the simulator's `/v1/responses` follows vLLM 0.32's source
+(`vllm/entrypoints/openai/responses/{api_router,serving,protocol,utils}.py`) and the live
+checks written up in the project's research notes (`/work/notes/responses-api.md`; a tiny-llama
+vLLM 0.32 CPU server with and without `VLLM_ENABLE_RESPONSES_API_STORE=1`).
+
+What matches:
+
+- Routes: `POST /v1/responses`, `GET /v1/responses/{id}` (`stream`, `starting_after`),
+  `POST /v1/responses/{id}/cancel`; `GET …/input_items` is a 404 and `DELETE /v1/responses/{id}`
+  and `POST /v1/responses/compact` are 405s, with Starlette's `{"detail": …}` bodies.
+- The store switch (`--responses-store`, or the env var itself): off, `store` is silently
+  forced false and `background` is the 400 with vLLM's message; `background` with
+  `store: false` is the other 400 (`BadRequestError`) whatever the switch; both
+  `previous_input_messages` and `previous_response_id` is a 400; checks run in vLLM's order.
+- Ids: `resp_`/`msg_` + 16 lowercase hex digits; the body's `request_id` chooses the id,
+  unchecked.
+- The prompt: `construct_input_messages` (instructions as a system message first; the previous
+  request's stored messages without system messages; the previous output texts as assistant
+  messages; the new input, text parts joined with "\\n", an assistant's part list by its first
+  text), rendered and tokenised as a chat request, so prefix caching across a
+  `previous_response_id` chain behaves as it does for chat turns.
+- Whole bodies and stream events: vLLM's fields in vLLM's order; stream frames
+  `event: <type>\\ndata: <json>\\n\\n`, sequence numbers from 0, the observed order of the 4
+  opening events, one delta per token, 4 closing events ending with `response.completed`
+  (also when incomplete), no `[DONE]`.
+- The store's life cycle: a whole response is stored when done; a stream only if it ran to its
+  end (a client that leaves aborts it, and it is never stored); background responses are stored
+  `queued` at once, never `in_progress`, and replaced by the final object unless cancelled.
+  Cancel of a queued one gives `cancelled` and aborts the engine request; anything else is
+  "Cannot cancel a synchronous response.". A background stream keeps running without its
+  client, its events stay buffered after the end, and `starting_after=N` replays from N+1 then
+  follows live events; a resumed stream of a cancelled response, or with N at or past the
+  end, waits forever, as vLLM's generator does.
+- `GET ?stream=true` for a response without an event buffer: 200, SSE headers, and the
+  connection breaks before any body byte (vLLM raises inside its generator).
+- Unknown ids (GET, cancel, `previous_response_id`): 404, `invalid_request_error`,
+  `param: "response_id"`.
+
+Where it departs:
+
+- **The store is bounded**: at most `--responses-store-limit` responses (10 000), oldest
+  inserted dropped first, messages and event buffer with it. vLLM's store never drops anything
+  (a leak it warns about). An evicted id is a 404, as an id never stored.
+- Output is always the filler of exactly `max_output_tokens` tokens, so `status` is always
+  `incomplete` (vLLM's model may stop early and say `completed`); the default length is
+  chat's (at most 256), vLLM's the whole rest of the context.
+- `usage.input_tokens_details.cached_tokens` is always reported (the prefix-cache hit), with
+  or without `--enable-prompt-tokens-details`; vLLM's own value here was not checked against a
+  warm cache.
+- Not simulated: tools, function calls and their output items, reasoning items, Harmony
+  (gpt-oss), images and files in input (input items other than messages, or parts other than
+  text, are a 400), `enable_response_messages`, `include`, logprobs, per-request metrics. Faults
+  (`fail_rate`, stalls, cut streams, `refuse_after`) do not apply to `/v1/responses`.
+- A validation error's `param` is null (vLLM names the field, e.g. `body.input`).
+- The prompt-too-long check is vLLM's Responses one (`The engine prompt length N exceeds the
+  max_model_len M. Please reduce prompt.`, param `input`); the KV-cache capacity check and
+  `max_output_tokens` clamping are the simulator's usual chat rules.
 """
 
 

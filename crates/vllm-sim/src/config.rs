@@ -15,9 +15,10 @@ pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 /// A vLLM stand-in with a faithful KV cache, prefix cache, scheduler and latency model.
 ///
-/// Serves the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
-/// Prometheus `/metrics` with vLLM's metric names, the probes SGLang's and vLLM's routers send
-/// to workers, and `POST /sim/faults` to inject failures at run time.
+/// Serves the OpenAI API (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+/// `/v1/models`), `/health`, Prometheus `/metrics` with vLLM's metric names, the probes
+/// SGLang's and vLLM's routers send to workers, and `POST /sim/faults` to inject failures at
+/// run time.
 #[derive(Debug, Clone, PartialEq, Parser)]
 #[command(name = "vllm-sim", version, about, long_about = None)]
 pub struct SimConfig {
@@ -163,6 +164,16 @@ pub struct SimConfig {
     /// request (500, or an error event in a stream) or `recompute` the prompt locally.
     #[arg(long, value_enum, default_value_t = KvLoadFailurePolicy::Fail)]
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Responses API store (vLLM's env var `VLLM_ENABLE_RESPONSES_API_STORE=1`, also read
+    /// here): keep `/v1/responses` objects for GET, cancel, `previous_response_id` and
+    /// `background`. Off: `store` is forced false and `background` is refused, as vLLM does.
+    /// The env var takes vLLM's `1` / `0` (or true/false, yes/no, on/off).
+    #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub responses_store: bool,
+    /// Most responses the store keeps; beyond it the oldest is dropped (vLLM never drops any).
+    #[arg(long, default_value_t = 10_000)]
+    pub responses_store_limit: usize,
 }
 
 /// Which legs of a P/D request a simulator takes (`--kv-role`).
@@ -244,6 +255,8 @@ impl Default for SimConfig {
             kv_bytes_per_token: 131_072,
             kv_transfer_gbps: 25.0,
             kv_load_failure_policy: KvLoadFailurePolicy::Fail,
+            responses_store: false,
+            responses_store_limit: 10_000,
         }
     }
 }
@@ -300,6 +313,7 @@ impl SimConfig {
             (self.max_num_batched_tokens, "--max-num-batched-tokens"),
             (self.max_model_len, "--max-model-len"),
             (self.fleet, "--fleet"),
+            (self.responses_store_limit, "--responses-store-limit"),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
@@ -392,6 +406,24 @@ impl SimConfig {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn responses_store_flags_parse() {
+        let c = SimConfig::try_parse_from([
+            "vllm-sim",
+            "--responses-store",
+            "--responses-store-limit",
+            "5",
+        ])
+        .unwrap();
+        assert!(c.responses_store);
+        assert_eq!(c.responses_store_limit, 5);
+        let zero = SimConfig {
+            responses_store_limit: 0,
+            ..SimConfig::default()
+        };
+        assert!(zero.validate().is_err());
+    }
 
     #[test]
     fn default_matches_cli_defaults() {

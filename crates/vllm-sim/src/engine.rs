@@ -27,7 +27,7 @@
 //! (`--kv-lease-ms`, wall clock) ends. A decode leg ([`Submission::external`]) enters with the
 //! pulled tokens counted as computed: no prefill compute is charged for them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -118,6 +118,9 @@ pub struct Stats {
     pub kv_expired: u64,
     /// P/D: prompt tokens taken from pulls instead of computed.
     pub external_tokens: u64,
+    /// Responses API: objects in the store now (`--responses-store`); kept by the HTTP layer,
+    /// not the engine. Not a vLLM series.
+    pub responses_stored: usize,
 }
 
 /// Shared between the engine task and everything that reads its state.
@@ -125,6 +128,8 @@ pub struct Stats {
 pub struct Shared {
     metrics: Mutex<Metrics>,
     stats: Mutex<Stats>,
+    /// [`Stats::responses_stored`], set by the Responses store.
+    responses_stored: AtomicUsize,
     changed: watch::Sender<u64>,
     pub time_scale: f64,
 }
@@ -135,7 +140,15 @@ impl Shared {
     }
 
     pub fn stats(&self) -> Stats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+        let mut s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.responses_stored = self.responses_stored.load(Ordering::Relaxed);
+        s
+    }
+
+    /// The Responses store now holds `n` objects; wakes whoever waits on the stats.
+    pub fn set_responses_stored(&self, n: usize) {
+        self.responses_stored.store(n, Ordering::Relaxed);
+        self.changed.send_modify(|v| *v += 1);
     }
 
     /// Notified after every engine step and every admission/abort.
@@ -316,6 +329,7 @@ pub fn start(cfg: EngineConfig) -> (EngineHandle, impl std::future::Future<Outpu
     let shared = Arc::new(Shared {
         metrics: Mutex::new(Metrics::new(cfg.max_model_len)),
         stats: Mutex::new(Stats::default()),
+        responses_stored: AtomicUsize::new(0),
         changed: watch::channel(0).0,
         time_scale: cfg.time_scale,
     });
@@ -650,6 +664,7 @@ impl Engine {
             kv_pulls: self.holds.pulls,
             kv_expired: self.holds.expired,
             external_tokens: m.prompt_tokens_external,
+            responses_stored: 0,
         };
         drop(m);
         *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;

@@ -11,7 +11,9 @@
 //! * [`server`] — the accept loop; it can close and re-bind its port for the connection faults.
 //! * [`api`] — axum routes: OpenAI generation (whole and SSE), models, tokenizer, metrics, the
 //!   probes SGLang's and vLLM's routers send to workers, `/sim/*` admin endpoints, and the P/D
-//!   legs (`kv_transfer_params`) with their loopback side channel.
+//!   legs (`kv_transfer_params`) with their loopback side channel, and OpenAI's Responses API
+//!   (`/v1/responses`: create, retrieve, cancel, background, `previous_response_id`) with
+//!   vLLM's in-memory store (`--responses-store`).
 //! * [`tokenizer`] — the deterministic ~4-bytes-per-token tokenizer and the chat template.
 //! * [`engine`] — one task per server running the step loop in simulated time.
 //! * [`scheduler`] — continuous batching, chunked prefill, FIFO admission, preemption.
@@ -174,6 +176,10 @@ impl Sim {
             gpu_cache_usage_metric: config.gpu_cache_usage_metric,
             created: metrics::unix_now(),
         };
+        let responses = api::responses::store::Store::new(
+            config.responses_store_limit,
+            engine_handle.shared.clone(),
+        );
         let state = AppState::new(api::Inner {
             config,
             names,
@@ -184,6 +190,7 @@ impl Sim {
             hf,
             kv: kv_info,
             kv_engine_id,
+            responses,
         });
         Ok(Self {
             state,
@@ -394,6 +401,13 @@ impl SimHandle {
                     .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
             wanted.then(|| l.rsplit(' ').next()?.parse().ok()).flatten()
         })
+    }
+
+    /// The Responses API object stored under `id` (`--responses-store`), as `GET
+    /// /v1/responses/{id}` would answer it; `None` when this server does not hold it.
+    pub fn stored_response(&self, id: &str) -> Option<serde_json::Value> {
+        let obj = self.state.responses.response(id)?;
+        serde_json::to_value(obj).ok()
     }
 
     /// Shared engine state, for advanced observers.

@@ -227,3 +227,28 @@ async fn bad_kv_events_config_is_refused_naming_the_key() {
         "a kv fault without kv events is a mistake"
     );
 }
+
+#[tokio::test]
+async fn vllms_store_env_var_turns_the_responses_store_on() {
+    for (value, status) in [("1", 200), ("0", 400)] {
+        let mut child = bin()
+            .args(["--port", "0", "--instant"])
+            .env("VLLM_ENABLE_RESPONSES_API_STORE", value)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let url = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let body = serde_json::json!({"input": "x", "max_output_tokens": 1, "background": true});
+        let r = post(&format!("{url}/v1/responses"), &body).await;
+        assert_eq!(
+            r.status(),
+            status,
+            "VLLM_ENABLE_RESPONSES_API_STORE={value}"
+        );
+        child.kill().await.unwrap();
+    }
+}

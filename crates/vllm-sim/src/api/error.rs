@@ -3,6 +3,8 @@
 //! vLLM 0.32 answers `{"error":{"message","type","param","code"}}`. Its own checks use
 //! `"type":"BadRequestError"` (with `param` naming the field when there is one); bodies that
 //! fail schema validation (bad JSON, wrong types, missing fields) get `"type":"Bad Request"`.
+//! The Responses API's own checks use `"type":"invalid_request_error"`; routes vLLM does not
+//! serve get Starlette's default `{"detail": "..."}` body.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -22,6 +24,18 @@ pub enum ApiError {
     Validation(String),
     #[error("The model `{name}` does not exist. Valid aliases: {valid}.")]
     ModelNotFound { name: String, valid: String },
+    /// A Responses API check (`"type":"invalid_request_error"`).
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    /// No stored response of that id (also an unknown `previous_response_id`).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
+    /// A route vLLM does not serve: Starlette's 404 / 405, `{"detail": reason}`.
+    #[error("{}", .0.canonical_reason().unwrap_or("Error"))]
+    NotServed(StatusCode),
     #[error("{0}")]
     Internal(String),
     #[error("{0}")]
@@ -34,6 +48,14 @@ impl ApiError {
         ApiError::BadRequest {
             message: message.into(),
             param: None,
+        }
+    }
+
+    /// A Responses API 400 (`invalid_request_error`) about one field.
+    pub fn invalid(message: impl Into<String>, param: &'static str) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: Some(param),
         }
     }
 
@@ -51,6 +73,15 @@ impl ApiError {
                 (StatusCode::BAD_REQUEST, "BadRequestError", *param)
             }
             ApiError::Validation(_) => (StatusCode::BAD_REQUEST, "Bad Request", None),
+            ApiError::InvalidRequest { param, .. } => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", *param)
+            }
+            ApiError::ResponseNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("response_id"),
+            ),
+            ApiError::NotServed(status) => (*status, "", None),
             ApiError::ModelNotFound { .. } => {
                 (StatusCode::NOT_FOUND, "NotFoundError", Some("model"))
             }
@@ -71,6 +102,13 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, kind, param) = self.status_type_param();
+        if let ApiError::NotServed(_) = self {
+            return (
+                status,
+                Json(serde_json::json!({"detail": self.to_string()})),
+            )
+                .into_response();
+        }
         let body = serde_json::json!({
             "error": {
                 "message": self.to_string(),

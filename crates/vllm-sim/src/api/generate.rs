@@ -40,7 +40,6 @@ use crate::kv_cache::BlockId;
 use crate::metrics::FINISHED_ERROR;
 use crate::scheduler::TokenEvent;
 use crate::tokenizer::{filler_piece, filler_text};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// What vLLM puts in `system_fingerprint` (its version and a build hash).
 const FINGERPRINT: &str = "vllm-0.32.0-sim";
@@ -151,12 +150,7 @@ async fn run(st: &AppState, p: Prepared, kind: Kind) -> Result<Response, ApiErro
         ctx.prefill = Some((key.clone(), rx));
         Hold { key, reply }
     });
-    // vLLM mixes `cache_salt` into the first block's hash: salted prompts share no blocks
-    // with unsalted ones or other salts.
-    let hash_seed = match &p.cache_salt {
-        Some(salt) => xxh3_64_with_seed(salt.as_bytes(), p.model.hash_seed()),
-        None => p.model.hash_seed(),
-    };
+    let hash_seed = openai::hash_seed(&p.model, p.cache_salt.as_deref());
     let sub = Submission {
         tokens: p.tokens,
         max_tokens: p.max_tokens,

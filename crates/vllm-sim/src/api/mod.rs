@@ -3,13 +3,15 @@
 //! `generate` serves the OpenAI generation endpoints, `extra` everything else (models, health,
 //! metrics, tokenizer, other routers' probes, `/sim/*` admin); `openai` parses and validates
 //! request bodies; `pd` reads `kv_transfer_params` and runs the P/D side channel
-//! (`POST /kv_transfer/pull`); `error` is the single place errors become HTTP responses.
+//! (`POST /kv_transfer/pull`); `responses` serves OpenAI's Responses API (`/v1/responses`)
+//! and keeps its store; `error` is the single place errors become HTTP responses.
 
 pub mod error;
 pub mod extra;
 pub mod generate;
 pub mod openai;
 pub mod pd;
+pub mod responses;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +46,8 @@ pub struct Inner {
     pub kv: Option<KvInfo>,
     /// `remote_engine_id` of this server's prefill legs (`--kv-engine-id` or a random UUID).
     pub kv_engine_id: String,
+    /// The Responses API store (empty unless `--responses-store`).
+    pub responses: responses::store::Store,
 }
 
 /// What the HTTP layer knows of the KV-event publisher.
@@ -91,6 +95,7 @@ pub fn router(state: AppState) -> Router {
         .route("/kv_event_sources", get(extra::kv_event_sources))
         .route("/reset_prefix_cache", post(extra::reset_prefix_cache))
         .route(pd::PULL_PATH, post(pd::serve_pull))
+        .merge(responses::routes())
         .merge(admin_routes())
         // Long prompts as token-id arrays exceed axum's 2 MB default; vLLM has no such limit.
         .layer(DefaultBodyLimit::max(64 << 20))

@@ -17,7 +17,7 @@
 //!   asks for is read by [`super::pd`].
 
 use serde::Deserialize;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::error::ApiError;
 use super::AppState;
@@ -160,6 +160,15 @@ pub struct Prepared {
     pub kv_transfer_params: Option<KvTransferParams>,
 }
 
+/// Seed of a request's block-hash chain: vLLM mixes `cache_salt` into the first block's hash,
+/// so salted prompts share no blocks with unsalted ones or other salts.
+pub fn hash_seed(model: &ModelChoice, cache_salt: Option<&str>) -> u64 {
+    match cache_salt {
+        Some(salt) => xxh3_64_with_seed(salt.as_bytes(), model.hash_seed()),
+        None => model.hash_seed(),
+    }
+}
+
 /// Resolves the `model` field against the served names and adapters.
 pub fn resolve_model(st: &AppState, model: Option<&str>) -> Result<ModelChoice, ApiError> {
     let Some(name) = model else {
@@ -281,7 +290,7 @@ fn check_n(n: Option<u32>) -> Result<(), ApiError> {
 }
 
 /// Applies the length rules and picks the output length.
-fn finish(
+pub(crate) fn finish(
     st: &AppState,
     model: ModelChoice,
     tokens: Vec<u32>,
