@@ -118,11 +118,7 @@ fn header(r: &reqwest::Response, name: &str) -> String {
 
 /// `inferlb_pd_requests_total{path="…"}` on the router's `/metrics` (0 when absent).
 async fn pd_count(router: &TestRouter, path: &str) -> f64 {
-    let text = metrics_text(router).await;
-    let want = format!("inferlb_pd_requests_total{{path=\"{path}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(want.as_str()))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    common::labelled_sample(router, "inferlb_pd_requests_total", "path", path).await
 }
 
 /// A sample of a simulator's `/metrics` with all of `labels` (0 when absent).
@@ -454,12 +450,7 @@ async fn no_healthy_prefill_backend_means_the_local_path() {
     let _serial = SERIAL.lock().await;
     let f = fleet(1, |_| {}).await;
     f.prefill.faults().refuse_connections();
-    common::until_backends_json(&f.router, |v| {
-        v["backends"]
-            .as_array()
-            .is_some_and(|l| l.iter().any(|b| b["healthy"] == false))
-    })
-    .await;
+    common::until_any_unhealthy(&f.router).await;
     let before = Paths::read(&f.router).await;
     let r = completion(
         &f.router,
@@ -482,12 +473,7 @@ async fn short_prompts_may_be_served_whole_by_a_prefill_backend() {
     for serves in [true, false] {
         let f = fleet(1, |c| c.pd.prefill_serves_short_prompts = serves).await;
         f.decode[0].faults().refuse_connections();
-        common::until_backends_json(&f.router, |v| {
-            v["backends"]
-                .as_array()
-                .is_some_and(|l| l.iter().any(|b| b["healthy"] == false))
-        })
-        .await;
+        common::until_any_unhealthy(&f.router).await;
         let before = Paths::read(&f.router).await;
         let short = json!({"model": "m", "prompt": "hi there", "max_tokens": 3});
         let r = completion(&f.router, &short).await;

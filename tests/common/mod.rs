@@ -613,6 +613,25 @@ pub async fn until_backends_json(router: &TestRouter, pred: impl Fn(&serde_json:
     }
 }
 
+/// Wait until the router sees some backend unhealthy.
+pub async fn until_any_unhealthy(router: &TestRouter) {
+    until_backends_json(router, |v| {
+        v["backends"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|b| b["healthy"] == false))
+    })
+    .await;
+}
+
+/// The sample `name{label="value"}` on the router's `/metrics` (0 when absent).
+pub async fn labelled_sample(router: &TestRouter, name: &str, label: &str, value: &str) -> f64 {
+    let text = metrics_text(router).await;
+    let want = format!("{name}{{{label}=\"{value}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(want.as_str()))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 /// A profile of `scorers` (type, weight) and the max-score picker.
 pub fn profile(cfg: &mut Config, scorers: &[(&str, f64)]) {
     let mut refs = Vec::new();

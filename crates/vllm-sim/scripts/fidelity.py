@@ -429,8 +429,10 @@ Where it departs:
   warm cache.
 - Not simulated: tools, function calls and their output items, reasoning items, Harmony
   (gpt-oss), images and files in input (input items other than messages, or parts other than
-  text, are a 400), `enable_response_messages`, `include`, logprobs, per-request metrics. Faults
-  (`fail_rate`, stalls, cut streams, `refuse_after`) do not apply to `/v1/responses`.
+  text, are a 400), `enable_response_messages`, `include`, logprobs, per-request metrics. Of the
+  faults only `first_token_stall_ms` applies to `/v1/responses` (the first token is held back,
+  so a background response stays running until cancelled); `fail_rate`, cut streams and
+  `refuse_after` do not.
 - A validation error's `param` is null (vLLM names the field, e.g. `body.input`).
 - The prompt-too-long check is vLLM's Responses one (`The engine prompt length N exceeds the
   max_model_len M. Please reduce prompt.`, param `input`); the KV-cache capacity check and

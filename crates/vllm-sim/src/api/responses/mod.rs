@@ -165,7 +165,8 @@ pub async fn create(State(st): State<AppState>, body: Bytes) -> Result<Response,
     let in_progress = start(Status::InProgress);
     let messages = Arc::new(messages);
     let (guard, rx) = st.engine.submit(sub);
-    let gen = Generation::new(guard, rx, in_progress, prompt_len, stream);
+    let mut gen = Generation::new(guard, rx, in_progress, prompt_len, stream);
+    gen.stall = st.faults.first_token_stall();
     if background {
         return Ok(run_background(&st, start(Status::Queued), messages, gen));
     }
@@ -327,6 +328,8 @@ struct Generation {
     seq: u64,
     /// Write stream events (a streamed response).
     emit: bool,
+    /// The `first_token_stall_ms` fault, held back once before the first token.
+    stall: std::time::Duration,
 }
 
 impl Generation {
@@ -347,6 +350,7 @@ impl Generation {
             generated: 0,
             seq: 0,
             emit,
+            stall: std::time::Duration::ZERO,
         }
     }
 
@@ -417,6 +421,9 @@ impl Generation {
 
     /// Waits for the engine; takes every token already there.
     async fn next(&mut self) -> Step {
+        if !self.stall.is_zero() {
+            tokio::time::sleep(std::mem::take(&mut self.stall)).await;
+        }
         let Some(first) = self.rx.recv().await else {
             return Step::Lost;
         };
