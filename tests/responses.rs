@@ -376,6 +376,66 @@ async fn calls_to_a_holder_that_is_down_are_unavailable() {
     assert_eq!(status, 503, "{body}");
 }
 
+/// A router that never saw the id, with the holder down, cannot say nobody has it: 503, not
+/// 404. Seen failing (404) with the lookup deciding from the members that answer alone.
+#[tokio::test]
+async fn a_lookup_with_the_holder_down_is_unresolved() {
+    let _serial = SERIAL.lock().await;
+    let sims = sims(2, sim_config).await;
+    let refs: Vec<_> = sims.iter().collect();
+    let a = router_over(&refs).await;
+    let (status, holder, body) = create(&a, &json!({"model": "m", "input": "keep"})).await;
+    assert_eq!(status, 200);
+    let id = body["id"].as_str().unwrap().to_owned();
+    sims.iter()
+        .find(|s| s.url() == holder)
+        .unwrap()
+        .faults()
+        .refuse_connections();
+    let b = start_router(router_config(&refs)).await;
+    common::until_backends_json(&b, |v| {
+        v["backends"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|x| x["url"] == holder.as_str() && x["healthy"] == false)
+                && l.iter()
+                    .any(|x| x["url"] != holder.as_str() && x["healthy"] == true)
+        })
+    })
+    .await;
+    let (status, _, body) = retrieve(&b, &id).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["param"], "response_id");
+}
+
+/// Prefill backends make no responses: a lookup neither asks nor waits for them, so an
+/// unknown id in a P/D fleet whose prefill server is down is still vLLM's 404, not a 503 for
+/// want of its answer. Seen failing (503) with prefill backends counted in the lookup.
+#[tokio::test]
+async fn a_pd_fleet_answers_unknown_ids_with_not_found() {
+    let _serial = SERIAL.lock().await;
+    let whole = common::sim::start(sim_config()).await;
+    let prefill = common::sim::start(SimConfig {
+        kv_role: vllm_sim::config::KvRole::Prefill,
+        ..sim_config()
+    })
+    .await;
+    let mut cfg = router_config(&[&whole, &prefill]);
+    cfg.backends[1].role = Some("prefill".into());
+    cfg.pd.enabled = true;
+    let router = start_router(cfg).await;
+    until_all_healthy(&router).await;
+    let (status, holder, body) = create(&router, &json!({"model": "m", "input": "short"})).await;
+    assert_eq!(
+        (status, holder.as_str()),
+        (200, whole.url().as_str()),
+        "{body}"
+    );
+    prefill.faults().refuse_connections();
+    common::until_any_unhealthy(&router).await;
+    let (status, _, body) = retrieve(&router, "resp_unknown").await;
+    assert_eq!(status, 404, "{body}");
+}
+
 /// Send `method path` as raw bytes and read the status code.
 async fn raw_status(router: &TestRouter, method: &str, path: &str) -> u16 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

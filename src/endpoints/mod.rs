@@ -337,6 +337,13 @@ impl Backend {
         &self.waiters
     }
 
+    /// Healthy by the poller and not passively ejected, draining or not: it can answer for
+    /// what it holds (a response of the Responses API) even while it takes no new work.
+    pub fn answers(&self) -> bool {
+        self.state.load().healthy
+            && self.passive.admission(tokio::time::Instant::now()) != Admission::Closed
+    }
+
     /// A member, healthy by the poller and not passively ejected: may be given a request now.
     pub fn schedulable(&self) -> bool {
         !self.is_draining()

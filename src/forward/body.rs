@@ -64,13 +64,15 @@ pub enum SseEnd {
     ResponseEvent,
 }
 
-/// Markers of a terminal Responses API event: its `event:` line, or its JSON `type` for
-/// servers that send no event lines.
+/// Markers of a terminal Responses API event: its `event:` line (from a line start: a raw
+/// newline cannot occur inside a JSON string, so model text cannot fake it), or its JSON
+/// `type` (quotes inside a JSON string are escaped) for servers that send no event lines. A
+/// terminal event is never a stream's first, so its line always follows a newline.
 const TERMINAL_EVENTS: [&[u8]; 7] = [
-    b"event: response.completed",
-    b"event: response.failed",
-    b"event: response.incomplete",
-    b"event: error",
+    b"\nevent: response.completed",
+    b"\nevent: response.failed",
+    b"\nevent: response.incomplete",
+    b"\nevent: error",
     b"\"type\":\"response.completed\"",
     b"\"type\":\"response.failed\"",
     b"\"type\":\"response.incomplete\"",
@@ -414,8 +416,15 @@ mod tests {
 
     #[test]
     fn terminal_responses_events_are_seen_within_and_across_chunks() {
-        let completed = b"event: response.completed\ndata: {\"response\":{},\"type\":\"response.completed\"}\n\n";
+        let completed = b"\n\nevent: response.completed\ndata: {\"response\":{},\"type\":\"response.completed\"}\n\n";
         assert!(terminal_in(b"", completed));
+        // Its event line at the start of a chunk: the newline is the previous chunk's.
+        assert!(terminal_in(b"}\n\n", b"event: response.completed\n"));
+        // Model text that reads like an event line is inside a JSON string, never at a line start.
+        assert!(!terminal_in(
+            b"",
+            b"event: response.output_text.delta\ndata: {\"delta\":\"event: error\"}\n\n"
+        ));
         // Split inside the marker: the seam of the previous tail and this chunk.
         let (a, b) = completed.split_at(12);
         assert!(!terminal_in(b"", a));

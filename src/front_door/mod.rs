@@ -86,6 +86,9 @@ pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/responses", post(responses_create))
+        // vLLM's own routes under /v1/responses/ that name no response.
+        .route("/v1/responses/compact", post(other))
+        .route("/v1/responses/render", post(other))
         // Any method on one response (GET, cancel, and what vLLM may add): to its holder.
         .route("/v1/responses/{id}", any(response_by_id))
         .route("/v1/responses/{id}/{*rest}", any(response_by_id))

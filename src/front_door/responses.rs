@@ -11,6 +11,7 @@ use bytes::Bytes;
 use tower::ServiceExt;
 
 use super::{new_request_id, AppState};
+use crate::endpoints::capacity::Slot;
 use crate::endpoints::Backend;
 use crate::error::Error;
 use crate::forward::{Dispatch, ProxyRequest};
@@ -18,8 +19,6 @@ use crate::prompt::responses::{invalid_id, valid_id};
 use crate::prompt::{Operation, RequestView};
 use crate::responses::lookup::Probe;
 use crate::responses::Found;
-use crate::scheduling::framework::CycleState;
-use crate::scheduling::profile::decisions;
 
 /// The prefix of the routes on one response.
 pub const BY_ID_PREFIX: &str = "/v1/responses/";
@@ -59,22 +58,19 @@ pub async fn pin(
     }
 }
 
-/// Ask `backend` whether it holds `id`: `GET /v1/responses/{id}` through the scheduler (a slot
-/// of that backend) and the forwarder (its connections, TLS, API key, passive health), with
-/// the client's `Authorization` for backends that take the client's key.
+/// Ask `backend` whether it holds `id`: `GET /v1/responses/{id}` through the forwarder (its
+/// connections, TLS, API key, passive health), with the client's `Authorization` for
+/// backends that take the client's key.
 async fn probe(app: &AppState, backend: Arc<Backend>, id: &str, client: &HeaderMap) -> Probe {
     let mut view = RequestView::multipart(b"", "");
     view.pinned = Some(Arc::from(backend.name.as_str()));
     let view = Arc::new(view);
-    let scheduler = app.service.scheduler();
-    // Its own trace: the client's explain header and access log keep the request's decision.
-    let Some(guard) = decisions::aside(|| {
-        scheduler
-            .schedule(&view, &mut CycleState::default(), &[])
-            .ok()
-    }) else {
+    // Counted in flight, but outside the concurrency limit (a small GET must not wait behind
+    // a full backend's generations) and never the probe of a backend on probation.
+    let Some(slot) = Slot::try_reserve(&backend, None) else {
         return Probe::Unknown;
     };
+    let guard = app.service.scheduler().guard(slot, &view);
     let mut headers = HeaderMap::new();
     if let Some(auth) = client.get(header::AUTHORIZATION) {
         headers.insert(header::AUTHORIZATION, auth.clone());

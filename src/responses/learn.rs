@@ -10,6 +10,12 @@
 //!   id (`api_router.py` writes `event: <type>\ndata: <json>\n\n`). Complete `data:` lines are
 //!   parsed until one carries `response.id`, within the first [`MAX_SSE`] bytes.
 //!
+//! vLLM writes the id first (`{"id":"resp_…"` and `{"response":{"id":"resp_…"`, its pydantic
+//! models' field order), so both scans first read it from the leading bytes alone: an answer
+//! or a first event of any size (`response.created` repeats the request's `instructions` and
+//! `tools`) is learnt from its first hundred bytes. The whole-document parse is the fallback
+//! for servers that order their fields otherwise.
+//!
 //! Whatever the backend sends, the scan is bounded and never fails the response.
 
 use std::pin::Pin;
@@ -31,6 +37,50 @@ pub const MAX_SSE: usize = 64 * 1024;
 /// The most parse attempts of a JSON answer (one per frame that may end the object).
 const MAX_JSON_PARSES: u32 = 8;
 
+/// How a JSON answer starts when its id comes first.
+const JSON_LEAD: &[u8] = br#"{"id":""#;
+/// How an SSE event's data starts when it carries a response whose id comes first.
+const SSE_LEAD: &[u8] = br#"{"response":{"id":""#;
+/// The most bytes of a JSON answer kept for reading a leading id.
+const HEAD: usize = 256;
+
+/// What the leading bytes say about an id that comes first.
+#[derive(Debug, PartialEq, Eq)]
+enum Lead {
+    Id(String),
+    /// Not enough bytes yet.
+    NotYet,
+    /// The document does not start that way (or the id is not a plain one): parse it whole.
+    No,
+}
+
+/// The id of `bytes` (leading whitespace aside) when it starts with `lead` followed by an id
+/// of plain characters and its closing quote.
+fn leading(bytes: &[u8], lead: &[u8]) -> Lead {
+    let start = bytes
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(bytes.len());
+    let bytes = &bytes[start..];
+    if bytes.len() < lead.len() {
+        return if lead.starts_with(bytes) {
+            Lead::NotYet
+        } else {
+            Lead::No
+        };
+    }
+    let Some(rest) = bytes.strip_prefix(lead) else {
+        return Lead::No;
+    };
+    let plain = |b: &u8| b.is_ascii_alphanumeric() || *b == b'_' || *b == b'-';
+    let len = rest.iter().take_while(|b| plain(b)).count();
+    match rest.get(len) {
+        Some(b'"') if len > 0 => Lead::Id(String::from_utf8_lossy(&rest[..len]).into_owned()),
+        None if len <= crate::prompt::responses::MAX_ID_LEN => Lead::NotYet,
+        _ => Lead::No,
+    }
+}
+
 #[derive(Deserialize)]
 struct WithId {
     id: String,
@@ -47,6 +97,8 @@ enum Scan {
         frames: Vec<Bytes>,
         len: usize,
         parses: u32,
+        /// The first bytes, while a leading id may still be read from them.
+        head: Option<Vec<u8>>,
     },
     Sse {
         pending: Vec<u8>,
@@ -64,7 +116,19 @@ impl Scan {
                 frames,
                 len,
                 parses,
+                head,
             } => {
+                if let Some(h) = head {
+                    h.extend_from_slice(&data[..data.len().min(HEAD.saturating_sub(h.len()))]);
+                    match leading(h, JSON_LEAD) {
+                        Lead::Id(id) => {
+                            *self = Scan::Done;
+                            return Some(id);
+                        }
+                        Lead::NotYet if h.len() < HEAD => {}
+                        _ => *head = None,
+                    }
+                }
                 *len = len.saturating_add(data.len());
                 if *len > MAX_JSON {
                     *self = Scan::Done;
@@ -105,6 +169,10 @@ impl Scan {
                     let Some(json) = line.strip_prefix(b"data:") else {
                         continue;
                     };
+                    if let Lead::Id(id) = leading(json, SSE_LEAD) {
+                        found = Some(id);
+                        break;
+                    }
                     if let Ok(Event {
                         response: Some(r), ..
                     }) = serde_json::from_slice::<Event>(json.trim_ascii())
@@ -114,6 +182,15 @@ impl Scan {
                     }
                 }
                 pending.drain(..consumed);
+                // A data line still arriving (a large first event): its leading id may be
+                // there already.
+                if found.is_none() {
+                    if let Some(json) = pending.strip_prefix(b"data:") {
+                        if let Lead::Id(id) = leading(json, SSE_LEAD) {
+                            found = Some(id);
+                        }
+                    }
+                }
                 if found.is_some() || *seen > MAX_SSE {
                     *self = Scan::Done;
                 }
@@ -182,6 +259,7 @@ pub fn tap(
             frames: Vec::new(),
             len: 0,
             parses: 0,
+            head: Some(Vec::new()),
         }
     };
     let (parts, inner) = response.into_parts();
@@ -206,6 +284,7 @@ mod tests {
             frames: Vec::new(),
             len: 0,
             parses: 0,
+            head: Some(Vec::new()),
         }
     }
 
@@ -244,6 +323,35 @@ mod tests {
         assert_eq!(feed_all(sse(), &frames).as_deref(), Some("resp_s1"));
         let crlf = format!("event: response.created\r\n{created}\r\n\r\n");
         assert_eq!(feed_all(sse(), &[&crlf]).as_deref(), Some("resp_s1"));
+    }
+
+    #[test]
+    fn a_leading_id_is_read_from_the_first_bytes_of_any_size_of_answer() {
+        // vLLM's order: the id first, then a first event far over the scan's bound.
+        let big = format!(
+            r#"data: {{"response":{{"id":"resp_big","instructions":"{}"}},"type":"response.created"}}"#,
+            "x".repeat(4 * MAX_SSE)
+        );
+        let (a, b) = big.split_at(20);
+        assert_eq!(
+            feed_all(sse(), &["event: response.created\n", a, b]).as_deref(),
+            Some("resp_big")
+        );
+        let body = format!(
+            r#"{{"id":"resp_j","output":"{}"}}"#,
+            "y".repeat(2 * MAX_JSON)
+        );
+        let (a, b) = body.split_at(5);
+        assert_eq!(feed_all(json(), &[a, b]).as_deref(), Some("resp_j"));
+        assert_eq!(
+            leading(b"  {\"id\":\"resp_1\"", JSON_LEAD),
+            Lead::Id("resp_1".into())
+        );
+        assert_eq!(leading(b"{\"id\":\"resp_", JSON_LEAD), Lead::NotYet);
+        assert_eq!(leading(b"{\"i", JSON_LEAD), Lead::NotYet);
+        assert_eq!(leading(b"{\"object\":1", JSON_LEAD), Lead::No);
+        assert_eq!(leading(b"{\"id\":\"a\\u0041\"", JSON_LEAD), Lead::No);
+        assert_eq!(leading(b"{\"id\":\"\"", JSON_LEAD), Lead::No);
     }
 
     #[test]

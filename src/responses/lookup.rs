@@ -94,19 +94,22 @@ impl Lookup {
             tracing::warn!(id, "response lookup: too many lookups at once");
             return Found::Unresolved;
         };
-        let asked: Vec<Arc<Backend>> = members
+        // Responses are made only by backends that serve whole requests (never by a prefill
+        // backend, see `crate::pd`). One that cannot answer now may be the holder: then nobody
+        // can say the id is unknown.
+        let (asked, silent): (Vec<Arc<Backend>>, Vec<Arc<Backend>>) = members
             .iter()
-            .filter(|b| b.schedulable())
+            .filter(|b| b.role.serves_whole_requests())
             .cloned()
-            .collect();
+            .partition(|b| b.answers());
         if asked.is_empty() {
             return Found::Unresolved;
         }
+        let mut unknown = !silent.is_empty();
         let probe = &probe;
         let mut answers = stream::iter(asked)
             .map(|b| async move { (Arc::clone(&b), probe(b).await) })
             .buffer_unordered(self.concurrency);
-        let mut unknown = false;
         loop {
             match tokio::time::timeout_at(deadline, answers.next()).await {
                 Err(_) => {
@@ -220,6 +223,44 @@ mod tests {
             l.holder("resp_3", &[], none).await,
             Found::Unresolved
         ));
+    }
+
+    #[tokio::test]
+    async fn a_member_that_cannot_answer_leaves_it_open_and_prefill_backends_are_not_asked() {
+        let l = lookup();
+        let members = healthy_backends(3);
+        let mut down = (*members[0].state()).clone();
+        down.healthy = false;
+        members[0].publish(down);
+        let none = |_b: Arc<Backend>| async { Probe::HasNot };
+        assert!(matches!(
+            l.holder("resp_5", &members, none).await,
+            Found::Unresolved
+        ));
+        // A prefill backend makes no responses: not asked, and not waited for.
+        let mut cfg = members[0].config.clone();
+        cfg.role = Some("prefill".into());
+        let prefill = Arc::new(
+            Backend::new(
+                9,
+                &cfg,
+                crate::endpoints::engine::EngineMetricNames::builtin("vllm").unwrap(),
+                Arc::default(),
+                &mut crate::forward::tls::ClientConfigs::default(),
+            )
+            .unwrap(),
+        );
+        let fleet = vec![prefill, Arc::clone(&members[1]), Arc::clone(&members[2])];
+        let asked = AtomicUsize::new(0);
+        let counted = |_b: Arc<Backend>| {
+            asked.fetch_add(1, Ordering::Relaxed);
+            async { Probe::HasNot }
+        };
+        assert!(matches!(
+            l.holder("resp_6", &fleet, counted).await,
+            Found::Absent
+        ));
+        assert_eq!(asked.load(Ordering::Relaxed), 2);
     }
 
     #[tokio::test(start_paused = true)]

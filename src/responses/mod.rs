@@ -13,12 +13,15 @@
 //!    `response` in the first SSE events; the body streams on untouched). Entries expire after
 //!    `ttl_secs`, and at most `max_ids` are kept (least recently used out first).
 //! 2. When the id is unknown (another router replica made it, this router restarted, the
-//!    entry expired): [`lookup`] asks the healthy backends `GET /v1/responses/{id}`, at most
+//!    entry expired): [`lookup`] asks the backends that serve whole requests and can answer
+//!    (healthy, not ejected, draining or not) `GET /v1/responses/{id}`, at most
 //!    `lookup_concurrency` at once and within `lookup_timeout_ms`; the first `200` is the
-//!    holder, recorded in the table. Every backend answering `404` means nobody has it: the
+//!    holder, recorded in the table. `prefill` backends make no responses (`crate::pd` never
+//!    sends them a Responses call) and are not asked. Every backend answering `404` means nobody has it: the
 //!    client gets vLLM's own not-found error (404, `Response with id '…' not found.`),
 //!    remembered for `not_found_ttl_ms` so a client repeating a bad id costs the fleet one
-//!    round of lookups. A backend that could not answer leaves the question open: 503.
+//!    round of lookups. A backend that could not answer (down, ejected, a failed probe)
+//!    leaves the question open: 503.
 //!    At most `max_lookups` lookups run at once router-wide.
 //! 3. The request is pinned to the holder (`RequestView::pinned`, `pinned-filter`): it waits
 //!    for the holder's capacity like any request, is never retried elsewhere, and gets 503
@@ -86,6 +89,28 @@ impl ResponsesConfig {
         for (field, value) in positive {
             if value == 0 {
                 return Err(ConfigError::invalid(field, "must be greater than 0"));
+            }
+        }
+        // The cache refuses durations of centuries; nothing needs more than these.
+        let bounds = [
+            ("responses.ttl_secs", self.ttl_secs, 10 * 365 * 24 * 3600),
+            (
+                "responses.not_found_ttl_ms",
+                self.not_found_ttl_ms,
+                24 * 3600 * 1000,
+            ),
+            (
+                "responses.lookup_timeout_ms",
+                self.lookup_timeout_ms,
+                10 * 60 * 1000,
+            ),
+        ];
+        for (field, value, max) in bounds {
+            if value > max {
+                return Err(ConfigError::invalid(
+                    field,
+                    format!("must be at most {max}"),
+                ));
             }
         }
         Ok(())
@@ -226,6 +251,17 @@ mod tests {
         }
         d.ids.run_pending_tasks();
         assert!(d.len() <= 100, "{}", d.len());
+    }
+
+    #[test]
+    fn durations_beyond_reason_are_refused_by_name() {
+        let e = ResponsesConfig {
+            ttl_secs: u64::MAX,
+            ..ResponsesConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("responses.ttl_secs"), "{e}");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! only that backend. The front door pins the Responses API's calls that name a response to
 //! the backend holding it (`crate::responses`): any other backend would answer that it does
 //! not know the id. Always part of every profile, after the health, model and role filters,
-//! so a pinned request whose holder is unhealthy, or has just been tried (a retry), finds no
-//! candidate and is refused as unavailable (503) rather than sent elsewhere. Unpinned
+//! so a pinned request whose holder is unhealthy finds no candidate and is refused as
+//! unavailable (503) rather than sent elsewhere; after a failed attempt (the holder excluded)
+//! the retry finds none either, and the client gets the holder's own answer. Unpinned
 //! requests pass untouched.
 //!
 //! Inputs: `RequestView::pinned`, `Backend::name`.
