@@ -1,18 +1,19 @@
 //! Finding the backend that holds a response: the table first, then a bounded round of
 //! `GET /v1/responses/{id}` to the schedulable backends (see the module above for the rules).
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{OnceCell, Semaphore};
 
 use super::{count, Directory, Outcome, ResponsesConfig};
 use crate::endpoints::Backend;
 
 /// What a lookup concluded.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Found {
     Holder(Arc<Backend>),
     /// Every schedulable backend said it does not have it.
@@ -35,6 +36,32 @@ pub struct Lookup {
     running: Semaphore,
     timeout: Duration,
     concurrency: usize,
+    /// Lookups under way, by id: a call for an id already being looked up waits for that
+    /// answer instead of asking the fleet again (a burst of one conversation's calls after a
+    /// restart costs one round). Locked only on this slow path, briefly.
+    under_way: Mutex<HashMap<Arc<str>, Arc<OnceCell<Found>>>>,
+}
+
+/// One caller's interest in a lookup under way; the last one out removes it, whether the
+/// lookup finished or every caller went away.
+struct Interest<'a> {
+    under_way: &'a Mutex<HashMap<Arc<str>, Arc<OnceCell<Found>>>>,
+    id: &'a str,
+    cell: Arc<OnceCell<Found>>,
+}
+
+impl Drop for Interest<'_> {
+    fn drop(&mut self) {
+        let mut map = self
+            .under_way
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let ours = map.get(self.id).is_some_and(|c| Arc::ptr_eq(c, &self.cell));
+        // The map's reference and this one: nobody else waits.
+        if ours && Arc::strong_count(&self.cell) <= 2 {
+            map.remove(self.id);
+        }
+    }
 }
 
 impl Lookup {
@@ -44,6 +71,7 @@ impl Lookup {
             running: Semaphore::new(cfg.max_lookups),
             timeout: Duration::from_millis(cfg.lookup_timeout_ms),
             concurrency: cfg.lookup_concurrency,
+            under_way: Mutex::default(),
         }
     }
 
@@ -65,22 +93,44 @@ impl Lookup {
             count(Outcome::NotFound);
             return Found::Absent;
         }
-        let started = Instant::now();
-        let found = self.ask(id, members, probe).await;
-        metrics::histogram!(crate::telemetry::RESPONSES_LOOKUP_DURATION)
-            .record(started.elapsed().as_secs_f64());
-        match &found {
-            Found::Holder(b) => {
-                self.directory.learn(id, &b.name);
-                count(Outcome::Found);
+        let interest = {
+            let mut map = self
+                .under_way
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            Interest {
+                under_way: &self.under_way,
+                id,
+                cell: Arc::clone(map.entry(Arc::from(id)).or_default()),
             }
-            Found::Absent => {
-                self.directory.note_absent(id);
-                count(Outcome::NotFound);
-            }
-            Found::Unresolved => count(Outcome::Unresolved),
+        };
+        let found = interest
+            .cell
+            .get_or_init(|| async {
+                let started = Instant::now();
+                let found = self.ask(id, members, probe).await;
+                metrics::histogram!(crate::telemetry::RESPONSES_LOOKUP_DURATION)
+                    .record(started.elapsed().as_secs_f64());
+                match &found {
+                    Found::Holder(b) => self.directory.learn(id, &b.name),
+                    Found::Absent => self.directory.note_absent(id),
+                    Found::Unresolved => {}
+                }
+                found
+            })
+            .await
+            .clone();
+        drop(interest);
+        count(match &found {
+            Found::Holder(_) => Outcome::Found,
+            Found::Absent => Outcome::NotFound,
+            Found::Unresolved => Outcome::Unresolved,
+        });
+        // A holder found for another caller's member list may not be in this one's.
+        match found {
+            Found::Holder(b) if !members.iter().any(|m| Arc::ptr_eq(m, &b)) => Found::Unresolved,
+            found => found,
         }
-        found
     }
 
     async fn ask<P, F>(&self, id: &str, members: &[Arc<Backend>], probe: P) -> Found
@@ -261,6 +311,51 @@ mod tests {
             Found::Absent
         ));
         assert_eq!(asked.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn concurrent_lookups_of_one_id_ask_the_fleet_once() {
+        let l = lookup();
+        let members = healthy_backends(3);
+        let holder = members[1].name.clone();
+        let asked = AtomicUsize::new(0);
+        let probe = |b: Arc<Backend>| {
+            asked.fetch_add(1, Ordering::Relaxed);
+            let has = b.name == holder;
+            async move {
+                // Let the other callers arrive while this round is under way.
+                for _ in 0..4 {
+                    tokio::task::yield_now().await;
+                }
+                if has {
+                    Probe::Has
+                } else {
+                    Probe::HasNot
+                }
+            }
+        };
+        let (a, b, c) = tokio::join!(
+            l.holder("resp_7", &members, probe),
+            l.holder("resp_7", &members, probe),
+            l.holder("resp_7", &members, probe),
+        );
+        for found in [a, b, c] {
+            assert!(matches!(found, Found::Holder(b) if b.name == holder));
+        }
+        assert!(
+            asked.load(Ordering::Relaxed) <= 3,
+            "one round: {}",
+            asked.load(Ordering::Relaxed)
+        );
+        assert!(l.under_way.lock().unwrap().is_empty());
+        // Callers that all go away leave nothing behind either.
+        let never = |_b: Arc<Backend>| std::future::pending::<Probe>();
+        let gone = tokio::time::timeout(
+            Duration::from_millis(1),
+            l.holder("resp_8", &members, never),
+        );
+        assert!(gone.await.is_err());
+        assert!(l.under_way.lock().unwrap().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

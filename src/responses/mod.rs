@@ -22,7 +22,8 @@
 //!    remembered for `not_found_ttl_ms` so a client repeating a bad id costs the fleet one
 //!    round of lookups. A backend that could not answer (down, ejected, a failed probe)
 //!    leaves the question open: 503.
-//!    At most `max_lookups` lookups run at once router-wide.
+//!    Concurrent calls for one id share one lookup; at most `max_lookups` run at once
+//!    router-wide.
 //! 3. The request is pinned to the holder (`RequestView::pinned`, `pinned-filter`): it waits
 //!    for the holder's capacity like any request, is never retried elsewhere, and gets 503
 //!    while the holder is unhealthy. A holder that left the fleet is treated as unknown
