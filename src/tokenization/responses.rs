@@ -65,19 +65,22 @@ fn message_of(item: Value) -> Result<Value, TokenizeError> {
         None | Some("message") => {}
         Some(_) => return Err(TokenizeError::Unsupported("responses input item type")),
     }
-    let role = item.remove("role").ok_or(TokenizeError::Unsupported(
-        "responses input item without role",
-    ))?;
-    let content = item.remove("content").unwrap_or(Value::Null);
-    let content = match (role.as_str(), content) {
-        (Some("assistant"), Value::Array(parts)) => parts
-            .into_iter()
-            .next()
+    if !item.contains_key("role") {
+        return Err(TokenizeError::Unsupported(
+            "responses input item without role",
+        ));
+    }
+    item.remove("type");
+    // Other keys (`name`, …) reach the template as vLLM passes them.
+    let assistant = item.get("role").and_then(Value::as_str) == Some("assistant");
+    if let (true, Some(Value::Array(parts))) = (assistant, item.get("content")) {
+        let first = parts
+            .first()
             .and_then(|p| p.get("text").cloned())
-            .unwrap_or(Value::String(String::new())),
-        (_, content) => content,
-    };
-    Ok(json!({"role": role, "content": content}))
+            .unwrap_or(Value::String(String::new()));
+        item.insert("content".into(), first);
+    }
+    Ok(Value::Object(item))
 }
 
 #[cfg(test)]
@@ -103,6 +106,10 @@ mod tests {
             json!({"model":null,"messages":[
                 {"role":"user","content":[{"type":"input_text","text":"a"}]},
                 {"role":"assistant","content":"b"}]})
+        );
+        assert_eq!(
+            chat(r#"{"input":[{"role":"user","name":"ann","content":"hi"}]}"#),
+            json!({"model":null,"messages":[{"role":"user","name":"ann","content":"hi"}]})
         );
     }
 
