@@ -24,6 +24,8 @@ stop_all() {
 trap stop_all EXIT
 VLLM_ENABLE_RESPONSES_API_STORE=1 "$SERVE" $A $B > "$ROOT/logs/responses-serve.log" 2>&1 \
   || { tail -5 "$ROOT/logs/responses-serve.log"; exit 1; }
+# The tree's state before OUT (which may be tracked) is rewritten.
+SRC="commit $(git -C "$HERE" rev-parse HEAD)$(git -C "$HERE" diff --quiet HEAD -- . ":(exclude)$OUT" || echo ' (dirty)')"
 for lb in $LB1 $LB2; do
   CFG=$ROOT/responses-inferlb-$lb.toml
   printf 'listen = "127.0.0.1:%s"\n[[backends]]\nurl = "http://127.0.0.1:%s"\n[[backends]]\nurl = "http://127.0.0.1:%s"\n' "$lb" $A $B > "$CFG"
@@ -37,7 +39,7 @@ done
   echo "# The Responses API behind inferlb: real vLLM, real OpenAI SDK — $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo
   echo "- command: \`bench/responses_real_vllm.sh $OUT\`"
-  echo "- source: commit $(git -C "$HERE" rev-parse HEAD)$(git -C "$HERE" diff --quiet || echo ' (dirty)')"
+  echo "- source: $SRC"
   echo "- vLLM: $("$ROOT/venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1), openai SDK $("$ROOT/venv/bin/python" -c 'import openai; print(openai.__version__)'), servers on $A and $B with VLLM_ENABLE_RESPONSES_API_STORE=1"
   echo "- two inferlb replicas on $LB1 and $LB2 over both servers (default config)"
   echo
