@@ -366,11 +366,7 @@ async fn calls_to_a_holder_that_is_down_are_unavailable() {
     let _serial = SERIAL.lock().await;
     let sims = sims(2, sim_config).await;
     let router = router_over(&sims.iter().collect::<Vec<_>>()).await;
-    let (status, holder, body) = create(&router, &json!({"model": "m", "input": "keep"})).await;
-    assert_eq!(status, 200);
-    let id = body["id"].as_str().unwrap().to_owned();
-    let down = sims.iter().find(|s| s.url() == holder).unwrap();
-    down.faults().refuse_connections();
+    let (id, _) = made_then_down(&router, &sims).await;
     common::until_any_unhealthy(&router).await;
     let (status, _, body) = retrieve(&router, &id).await;
     assert_eq!(status, 503, "{body}");
@@ -384,14 +380,7 @@ async fn a_lookup_with_the_holder_down_is_unresolved() {
     let sims = sims(2, sim_config).await;
     let refs: Vec<_> = sims.iter().collect();
     let a = router_over(&refs).await;
-    let (status, holder, body) = create(&a, &json!({"model": "m", "input": "keep"})).await;
-    assert_eq!(status, 200);
-    let id = body["id"].as_str().unwrap().to_owned();
-    sims.iter()
-        .find(|s| s.url() == holder)
-        .unwrap()
-        .faults()
-        .refuse_connections();
+    let (id, holder) = made_then_down(&a, &sims).await;
     let b = start_router(router_config(&refs)).await;
     common::until_backends_json(&b, |v| {
         v["backends"].as_array().is_some_and(|l| {
@@ -434,6 +423,19 @@ async fn a_pd_fleet_answers_unknown_ids_with_not_found() {
     common::until_any_unhealthy(&router).await;
     let (status, _, body) = retrieve(&router, "resp_unknown").await;
     assert_eq!(status, 404, "{body}");
+}
+
+/// A response made through `router`, whose server then refuses connections: (id, holder).
+async fn made_then_down(router: &TestRouter, sims: &[SimHandle]) -> (String, String) {
+    let (status, holder, body) = create(router, &json!({"model": "m", "input": "keep"})).await;
+    assert_eq!(status, 200);
+    let id = body["id"].as_str().unwrap().to_owned();
+    sims.iter()
+        .find(|s| s.url() == holder)
+        .unwrap()
+        .faults()
+        .refuse_connections();
+    (id, holder)
 }
 
 /// Send `method path` as raw bytes and read the status code.

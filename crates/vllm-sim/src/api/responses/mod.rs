@@ -383,18 +383,22 @@ impl Generation {
     /// `response.output_item.added` and `response.content_part.added` (with the first token).
     fn item_opening(&mut self, out: &mut Vec<String>) {
         let item = OutputMessage::new(self.item_id.clone(), Vec::new(), "in_progress");
-        let kind = "response.output_item.added";
+        self.item_event(out, "response.output_item.added", &item);
+        self.part_event(out, "response.content_part.added", String::new(), Some([]));
+    }
+
+    /// `response.output_item.added` / `.done` for `item`.
+    fn item_event(&mut self, out: &mut Vec<String>, kind: &'static str, item: &OutputMessage) {
         let sequence_number = self.next_seq();
         out.push(frame(
             kind,
             &ItemEvent {
-                item: &item,
+                item,
                 output_index: 0,
                 sequence_number,
                 kind,
             },
         ));
-        self.part_event(out, "response.content_part.added", String::new(), Some([]));
     }
 
     fn part_event(
@@ -494,17 +498,7 @@ impl Generation {
                 },
             ));
             self.part_event(out, "response.content_part.done", text, None);
-            let kind = "response.output_item.done";
-            let sequence_number = self.next_seq();
-            out.push(frame(
-                kind,
-                &ItemEvent {
-                    item: &item,
-                    output_index: 0,
-                    sequence_number,
-                    kind,
-                },
-            ));
+            self.item_event(out, "response.output_item.done", &item);
             // Sent whatever the status, `incomplete` included: vLLM has no other final event.
             out.push(self.response_event("response.completed", &done));
         }
