@@ -425,6 +425,33 @@ async fn a_pd_fleet_answers_unknown_ids_with_not_found() {
     assert_eq!(status, 404, "{body}");
 }
 
+/// A follow-up naming another model goes to the holder anyway, which answers for that model
+/// as one vLLM would (its 404), rather than the router answering 503 for ever because another
+/// backend serves it. Seen failing (503) with the model filter applied to pinned requests.
+#[tokio::test]
+async fn a_follow_up_for_another_model_is_the_holders_to_answer() {
+    let _serial = SERIAL.lock().await;
+    let m = common::sim::start(sim_config()).await;
+    let x = common::sim::start(SimConfig {
+        model: "x".into(),
+        ..sim_config()
+    })
+    .await;
+    let router = router_over(&[&m, &x]).await;
+    let (status, holder, body) = create(&router, &json!({"model": "m", "input": "hi"})).await;
+    assert_eq!((status, holder.as_str()), (200, m.url().as_str()), "{body}");
+    let (status, backend, body) = create(
+        &router,
+        &json!({"model": "x", "input": "and", "previous_response_id": body["id"]}),
+    )
+    .await;
+    assert_eq!(
+        (status, backend.as_str()),
+        (404, m.url().as_str()),
+        "{body}"
+    );
+}
+
 /// A response made through `router`, whose server then refuses connections: (id, holder).
 async fn made_then_down(router: &TestRouter, sims: &[SimHandle]) -> (String, String) {
     let (status, holder, body) = create(router, &json!({"model": "m", "input": "keep"})).await;
