@@ -346,9 +346,7 @@ impl Backend {
 
     /// A member, healthy by the poller and not passively ejected: may be given a request now.
     pub fn schedulable(&self) -> bool {
-        !self.is_draining()
-            && self.state.load().healthy
-            && self.passive.admission(tokio::time::Instant::now()) != Admission::Closed
+        !self.is_draining() && self.answers()
     }
 }
 

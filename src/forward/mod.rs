@@ -257,7 +257,7 @@ impl tower::Service<Dispatch> for Forwarder {
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"))
                 .then(|| {
-                    if original.path_and_query.starts_with("/v1/responses") {
+                    if crate::responses::on_api_path(&original.path_and_query) {
                         body::SseEnd::ResponseEvent
                     } else {
                         body::SseEnd::Done

@@ -62,9 +62,7 @@ pub async fn pin(
 /// connections, TLS, API key, passive health), with the client's `Authorization` for
 /// backends that take the client's key.
 async fn probe(app: &AppState, backend: Arc<Backend>, id: &str, client: &HeaderMap) -> Probe {
-    let mut view = RequestView::multipart(b"", "");
-    view.pinned = Some(Arc::from(backend.name.as_str()));
-    let view = Arc::new(view);
+    let view = Arc::new(RequestView::multipart(b"", ""));
     // Counted in flight, but outside the concurrency limit (a small GET must not wait behind
     // a full backend's generations) and never the probe of a backend on probation.
     let Some(slot) = Slot::try_reserve(&backend, None) else {

@@ -159,8 +159,11 @@ fn render_input(input: &RawValue, limits: &ParseLimits, text: &mut String) -> Re
             Ok(())
         }
         Some(b'[') => {
-            let items: Bounded<Item<'_>> = serde_json::from_str(json)
-                .map_err(|e| invalid_param("input", format!("invalid `input`: {e}")))?;
+            let invalid_input =
+                |e: serde_json::Error| invalid_param("input", format!("invalid `input`: {e}"));
+            // Raw items (kept for the stand-ins of those that are not messages), each read
+            // as an item after the count is checked.
+            let items: Bounded<&RawValue> = serde_json::from_str(json).map_err(invalid_input)?;
             let max = limits.max_messages.min(MAX_MESSAGES_CEILING);
             if items.total > max {
                 return Err(invalid_param(
@@ -168,9 +171,8 @@ fn render_input(input: &RawValue, limits: &ParseLimits, text: &mut String) -> Re
                     format!("`input` has {} items; the limit is {max}", items.total),
                 ));
             }
-            // Raw items again, for the stand-ins of those that are not messages.
-            let raws: Bounded<&RawValue> = serde_json::from_str(json).map_err(invalid)?;
-            for (i, (item, raw)) in items.list.iter().zip(raws.list).enumerate() {
+            for (i, raw) in items.list.into_iter().enumerate() {
+                let item: Item<'_> = serde_json::from_str(raw.get()).map_err(invalid_input)?;
                 match (&item.role, item.kind.as_deref()) {
                     (Some(role), None | Some("message")) => {
                         text.push_str(role);

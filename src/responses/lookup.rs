@@ -1,5 +1,6 @@
 //! Finding the backend that holds a response: the table first, then a bounded round of
-//! `GET /v1/responses/{id}` to the schedulable backends (see the module above for the rules).
+//! `GET /v1/responses/{id}` to the backends that can answer (see the module above for the
+//! rules).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -16,7 +17,7 @@ use crate::endpoints::Backend;
 #[derive(Debug, Clone)]
 pub enum Found {
     Holder(Arc<Backend>),
-    /// Every schedulable backend said it does not have it.
+    /// Every backend that may hold it said it does not.
     Absent,
     /// No holder found, and some backend could not answer (or none could be asked).
     Unresolved,
@@ -39,13 +40,16 @@ pub struct Lookup {
     /// Lookups under way, by id: a call for an id already being looked up waits for that
     /// answer instead of asking the fleet again (a burst of one conversation's calls after a
     /// restart costs one round). Locked only on this slow path, briefly.
-    under_way: Mutex<HashMap<Arc<str>, Arc<OnceCell<Found>>>>,
+    under_way: UnderWay,
 }
+
+/// Lookups under way: id → the answer its first caller is finding.
+type UnderWay = Mutex<HashMap<Arc<str>, Arc<OnceCell<Found>>>>;
 
 /// One caller's interest in a lookup under way; the last one out removes it, whether the
 /// lookup finished or every caller went away.
 struct Interest<'a> {
-    under_way: &'a Mutex<HashMap<Arc<str>, Arc<OnceCell<Found>>>>,
+    under_way: &'a UnderWay,
     id: &'a str,
     cell: Arc<OnceCell<Found>>,
 }

@@ -43,6 +43,14 @@ use crate::config_error::ConfigError;
 
 pub use lookup::{Found, Lookup};
 
+/// The Responses API's path: `POST` creates, `/{id}…` names one response.
+pub const PATH: &str = "/v1/responses";
+
+/// Is this request path (with its query) the Responses API's?
+pub fn on_api_path(path_and_query: &str) -> bool {
+    path_and_query.starts_with(PATH)
+}
+
 /// `[responses]`: affinity of the Responses API's calls to the backend holding the response.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
