@@ -334,6 +334,11 @@ async fn unknown_bad_and_departed_ids() {
     .await;
     assert_eq!(status, 400);
     assert_eq!(body["error"]["param"], "previous_response_id");
+    // vLLM's own routes under /v1/responses/ name no response: the backend answers them.
+    let (status, backend, body) =
+        call(&router, reqwest::Method::POST, "/v1/responses/compact").await;
+    assert_eq!(status, 405, "{body}");
+    assert!(!backend.is_empty(), "a backend answered");
     let long = "a".repeat(200);
     let (status, _, _) = retrieve(&router, &long).await;
     assert_eq!(status, 400);

@@ -149,7 +149,8 @@ async fn responses_create(State(app): State<Arc<AppState>>, req: Request) -> Res
 }
 
 /// `/v1/responses/{id}…`: routed as any other call, pinned to the response's holder.
-async fn response_by_id(State(app): State<Arc<AppState>>, req: Request) -> Response {
+async fn response_by_id(State(app): State<Arc<AppState>>, mut req: Request) -> Response {
+    req.extensions_mut().insert(responses::ById);
     proxy(app, Operation::Other, req).await
 }
 
@@ -306,9 +307,9 @@ async fn forward(
         ));
     }
     // The Responses API's calls naming a response go to its holder.
-    let by_id = match parts.uri.path().starts_with(responses::BY_ID_PREFIX) {
-        true => Some(responses::id_in_path(parts.uri.path())?),
-        false => None,
+    let by_id = match parts.extensions.get::<responses::ById>() {
+        Some(_) => Some(responses::id_in_path(parts.uri.path())?),
+        None => None,
     };
     if let Some(id) = responses::named(operation, by_id, &view) {
         responses::pin(app, &id, &parts.headers, &mut view).await?;

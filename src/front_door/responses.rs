@@ -23,6 +23,12 @@ use crate::responses::Found;
 /// The prefix of the routes on one response.
 pub const BY_ID_PREFIX: &str = "/v1/responses/";
 
+/// Marks a request that came in on a route of one response (`/v1/responses/{id}…`): its path
+/// names the response. Set by that route's handler; the other routes under the prefix
+/// (vLLM's `compact`, `render`) name none.
+#[derive(Debug, Clone, Copy)]
+pub struct ById;
+
 /// The `{id}` of `/v1/responses/{id}[/…]`, from the raw path (not percent-decoded: an id with
 /// an escape is refused, never decoded into something else).
 pub fn id_in_path(path: &str) -> Result<&str, Error> {
