@@ -41,7 +41,15 @@ impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
 /// A JSON object of `members` (key, raw JSON value), in order. Each value must already be
 /// valid JSON text; keys are escaped as JSON strings.
 pub fn write<'m>(members: impl IntoIterator<Item = (&'m str, &'m str)>) -> Vec<u8> {
-    let mut out = Vec::new();
+    // Sized once (a body can be megabytes): the members are borrowed text, so listing them
+    // first costs a pointer pair each. Keys may grow when escaped; that is rare and small.
+    let members: Vec<(&str, &str)> = members.into_iter().collect();
+    let size = members.iter().fold(2usize, |n, (k, v)| {
+        n.saturating_add(k.len())
+            .saturating_add(v.len())
+            .saturating_add(4)
+    });
+    let mut out = Vec::with_capacity(size);
     out.push(b'{');
     for (i, (key, value)) in members.into_iter().enumerate() {
         if i > 0 {
