@@ -18,6 +18,7 @@ import datetime
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import urllib.request
@@ -59,46 +60,92 @@ def bound(url, requests_path):
     return hit / total if total else 0.0, total
 
 
+def run_figures(out, run):
+    """One run's figures: vLLM's hit rate over both servers, the busiest server's share of
+    prompt tokens, and loadgen's summary."""
+    s = json.load(open(os.path.join(out, run + ".json")))
+    hits = queries = 0.0
+    prompt = []
+    for before in sorted(glob.glob(os.path.join(out, run + ".before.*"))):
+        after = before.replace(".before.", ".after.")
+        hits += metric_sum(after, "vllm:prefix_cache_hits_total") - metric_sum(before, "vllm:prefix_cache_hits_total")
+        queries += metric_sum(after, "vllm:prefix_cache_queries_total") - metric_sum(before, "vllm:prefix_cache_queries_total")
+        prompt.append(metric_sum(after, "vllm:prompt_tokens_total") - metric_sum(before, "vllm:prompt_tokens_total"))
+    rate = hits / queries if queries else 0.0
+    busiest = max(prompt) / sum(prompt) if sum(prompt) else 0.0
+    return s, rate, busiest
+
+
+def spread(values, fmt):
+    """The median, and [min–max] when there is more than one value."""
+    values = sorted(values)
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt(med)
+    return f"{fmt(med)} [{fmt(values[0])}–{fmt(values[-1])}]"
+
+
+def describe_workload(zipf, seed, groups, rate):
+    env = os.environ
+    if env.get("WORKLOAD", "shared-prefix") == "multi-turn":
+        return (f"multi-turn, {env.get('CONVERSATIONS', '8')} conversations × {env.get('TURNS', '6')} turns, "
+                f"system {env.get('SYSTEM', '300')} / user {env.get('QUESTION', '30')} / output {env.get('OUTPUT', '8')} "
+                f"loadgen tokens, Poisson {rate} req/s, seed {seed}")
+    return (f"shared-prefix, {groups} groups × {env.get('PROMPTS', '4')} prompts, system {env.get('SYSTEM', '300')} / "
+            f"question {env.get('QUESTION', '30')} / output {env.get('OUTPUT', '8')} loadgen tokens, Zipf {zipf}, "
+            f"Poisson {rate} req/s, seed {seed}")
+
+
 def main():
     out, url, zipf, seed, groups, rate = sys.argv[1:7]
     policies = sys.argv[7:]
-    max_rate, tokens = bound(url, os.path.join(out, policies[0] + ".requests.jsonl"))
+    repeat = int(os.environ.get("REPEAT", "1"))
+    runs = {p: ([p] if repeat == 1 else [f"{p}.r{r}" for r in range(1, repeat + 1)]) for p in policies}
+    max_rate, tokens = bound(url, os.path.join(out, runs[policies[0]][0] + ".requests.jsonl"))
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
-    shape = "uniform" if float(zipf) == 0 else f"Zipf {zipf}"
+    multi = os.environ.get("WORKLOAD", "shared-prefix") == "multi-turn"
+    shape = "multi-turn" if multi else ("uniform" if float(zipf) == 0 else f"Zipf {zipf}")
+    env_words = " ".join(
+        f"{k}={os.environ[k]}" for k in ("WORKLOAD", "PROMPTS", "CONVERSATIONS", "TURNS", "SYSTEM", "QUESTION", "OUTPUT", "GROUPS_N", "RATE", "REPEAT")
+        if k in os.environ and k != "WORKLOAD" or (k == "WORKLOAD" and multi)
+    )
     lines = [
-        f"# Routing policies on two real vLLM 0.32 servers (CPU build, tiny random-weight model): shared prefixes, {shape}",
+        f"# Routing policies on two real vLLM 0.32 servers (CPU build, tiny random-weight model): {shape}",
         "",
-        f"- command: `ZIPF={zipf} SEED={seed} bench/real_vllm.sh \"{' '.join(policies)}\"` (BLOCKS=64: 64 KV blocks of 128 tokens per server; KV events on; both caches reset (POST /reset_prefix_cache) before each policy)",
+        f"- command: `{env_words + ' ' if env_words else ''}ZIPF={zipf} SEED={seed} bench/real_vllm.sh \"{' '.join(policies)}\"` (BLOCKS=64: 64 KV blocks of 128 tokens per server; KV events on; both caches reset (POST /reset_prefix_cache) before each run)",
         f"- machine: nproc {os.cpu_count()}, CPU {cpu}; load average at the end {os.getloadavg()[0]:.1f}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         open(os.path.join(out, "provenance.md")).read().rstrip("\n"),
-        f"- workload: shared-prefix, {groups} groups × 4 prompts, system 300 / question 30 / output 8 loadgen tokens, Zipf {zipf}, Poisson {rate} req/s, seed {seed}",
+        f"- workload: {describe_workload(zipf, seed, groups, rate)}",
+        f"- runs: {repeat} per policy, the policies interleaved; figures are medians [min–max] over the runs" if repeat > 1 else "- runs: 1 per policy",
         f"- hit rate: Δvllm:prefix_cache_hits_total ÷ Δvllm:prefix_cache_queries_total over both servers (vLLM's own counters)",
-        f"- max: {max_rate:.3f}, the block-granular bound from vLLM's own tokenization ({tokens} prompt tokens; bench/real_vllm_bound.py)",
+        f"- max: {max_rate:.3f}, the block-granular bound from vLLM's own tokenization ({tokens} prompt tokens of the first run; bench/real_vllm_bound.py)"
+        + (" — prompts only: vLLM may also hit blocks of earlier answers, so hit / max can pass 1" if multi else ""),
         "- busiest: the larger server's share of Δvllm:prompt_tokens_total",
         "",
         "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit / max | busiest server (prompt tokens) | errors |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in policies:
-        s = json.load(open(os.path.join(out, p + ".json")))
-        hits = queries = 0.0
-        prompt = []
-        for before in sorted(glob.glob(os.path.join(out, p + ".before.*"))):
-            after = before.replace(".before.", ".after.")
-            hits += metric_sum(after, "vllm:prefix_cache_hits_total") - metric_sum(before, "vllm:prefix_cache_hits_total")
-            queries += metric_sum(after, "vllm:prefix_cache_queries_total") - metric_sum(before, "vllm:prefix_cache_queries_total")
-            prompt.append(metric_sum(after, "vllm:prompt_tokens_total") - metric_sum(before, "vllm:prompt_tokens_total"))
-        rate_ = hits / queries if queries else 0.0
-        busiest = max(prompt) / sum(prompt) if sum(prompt) else 0.0
+        figures = [run_figures(out, r) for r in runs[p]]
+        ok = sum(s["ok"] for s, _, _ in figures)
+        sent = sum(s["requests"] for s, _, _ in figures)
+        errors = {}
+        for s, _, _ in figures:
+            for k, v in s["errors"].items():
+                errors[k] = errors.get(k, 0) + v
+        ms = lambda v: f"{v * 1000:.0f} ms"
         lines.append(
-            f"| {p} | {s['ok']}/{s['requests']} | {s['ttft']['p50']*1000:.0f} ms | {s['ttft']['p90']*1000:.0f} ms | "
-            f"{s['e2e']['p90']*1000:.0f} ms | {rate_:.3f} | {rate_ / max_rate if max_rate else 0:.3f} | {busiest*100:.0f} % | {json.dumps(s['errors'])} |"
+            f"| {p} | {ok}/{sent} | {spread([s['ttft']['p50'] for s, _, _ in figures], ms)} | "
+            f"{spread([s['ttft']['p90'] for s, _, _ in figures], ms)} | {spread([s['e2e']['p90'] for s, _, _ in figures], ms)} | "
+            f"{spread([r for _, r, _ in figures], lambda v: f'{v:.3f}')} | "
+            f"{spread([r / max_rate if max_rate else 0 for _, r, _ in figures], lambda v: f'{v:.3f}')} | "
+            f"{spread([b * 100 for _, _, b in figures], lambda v: f'{v:.0f} %')} | {json.dumps(errors)} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
     # RESULT_SUFFIX names the file of a run beside others of the same day and workload.
-    suffix = ("" if float(zipf) == 0 else "-zipf") + os.environ.get("RESULT_SUFFIX", "")
+    suffix = ("-multi-turn" if multi else ("" if float(zipf) == 0 else "-zipf")) + os.environ.get("RESULT_SUFFIX", "")
     path = f"bench/results/real-vllm-{datetime.date.today().isoformat()}{suffix}.md"
     open(path, "w").write(text)
     print("wrote", path)
