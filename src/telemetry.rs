@@ -52,6 +52,7 @@ pub const QUEUE_WAIT: &str = "inferlb_queue_wait_seconds";
 pub const QUEUED_BY_CLASS: &str = "inferlb_requests_queued_by_class";
 pub const QUEUE_SHED: &str = "inferlb_queue_shed_total";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
+pub const PREFIX_REPLICAS: &str = "inferlb_prefix_replicas_total";
 pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 pub const KV_STREAMS: &str = "inferlb_kv_event_streams";
 pub const KV_EVENT_MESSAGES: &str = "inferlb_kv_event_messages_total";
@@ -99,6 +100,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (QUEUE_SHED, "Requests refused by the capacity queue with 429, by priority class and reason (full: the queue was full and nothing less deserving could be shed; displaced: shed for a higher-class or lighter-tenant arrival; deadline: the class's queue timeout passed)."),
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
+    (PREFIX_REPLICAS, "Requests sent to a backend as a new replica of their hot prefix (prefix-cache-scorer replicate_share)."),
     (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
     (KV_STREAMS, "Member backends by KV-event stream status (off, live, unsure, silent); only live streams are used for precise prefix scoring."),
     (KV_EVENT_MESSAGES, "KV-event messages applied (live and replayed), over all backends."),

@@ -1,6 +1,7 @@
-//! Where a prefix nobody holds goes, through the real router: by the caches' fill (the
-//! default), or by the backends' recent traffic with `room_work_weight` while their caches are
-//! free, so a hot prefix's holder is not handed new prefixes on top of its hot traffic.
+//! Where a prefix goes, through the real router: a prefix nobody holds by the caches' fill
+//! (`room_work_weight = 0`) or by the backends' recent traffic (the default), within a band on
+//! how many new prefixes one backend is given; and a hot prefix whose holder takes too much of
+//! the traffic to a second holder (hot-prefix replication).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -26,17 +27,15 @@ fn text(seed: char, chars: usize) -> String {
     s
 }
 
-/// On two idle backends (KV usage 0): one long prompt fills backend X's recorded cache, then
-/// one short prompt sent 20 times makes backend Y the busier by traffic while X stays the
-/// fuller by fill. Returns (X, Y, where a new prefix then goes).
-async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
+/// A router over two idle fakes (KV usage 0) with the default profile, its prefix scorer's
+/// parameters set to `parameters`.
+async fn two_backends(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter) {
     let fakes = common::fakes(&["a", "b"]).await;
     let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
-    // The default profile, its prefix scorer's parameter set.
     cfg.plugins.push(PluginSpec {
         kind: "prefix-cache-scorer".into(),
         name: None,
-        parameters: toml::from_str(&format!("room_work_weight = {room_work_weight:?}")).unwrap(),
+        parameters: toml::from_str(parameters).unwrap(),
     });
     let router = start_router(cfg).await;
     until_backends_json(&router, |v| {
@@ -46,6 +45,14 @@ async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
         })
     })
     .await;
+    (fakes, router)
+}
+
+/// On two idle backends: one long prompt fills backend X's recorded cache, then one short
+/// prompt sent 20 times makes backend Y the busier by traffic while X stays the fuller by
+/// fill. Returns the router, X and Y.
+async fn hot_on_y(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter, String, String) {
+    let (fakes, router) = two_backends(parameters).await;
     // ~1,000 tokens of fill on X.
     let x = send(&router, &text('L', 4_000)).await;
     // A hot prefix: its first request goes to the emptier and idler Y, the rest follow it.
@@ -72,19 +79,90 @@ async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
         recent(&y) > 1.5 * recent(&x),
         "Y is the busier by recent traffic: {view}"
     );
+    (fakes, router, x, y)
+}
+
+/// Where a new prefix goes after [`hot_on_y`] (replication off: it is not what is tested).
+async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
+    let (_fakes, router, x, y) = hot_on_y(&format!(
+        "room_work_weight = {room_work_weight:?}\nreplicate_share = 0.0"
+    ))
+    .await;
     let new = send(&router, &text('N', 400)).await;
     router.shutdown().await;
     (x, y, new)
 }
 
 #[tokio::test]
-async fn a_new_prefix_goes_to_the_emptiest_cache_by_default() {
+async fn without_room_work_weight_a_new_prefix_goes_to_the_emptiest_cache() {
     let (_x, y, new) = place_new_prefix(0.0).await;
     assert_eq!(new, y, "fill decides: Y holds only the short hot prefix");
 }
 
 #[tokio::test]
-async fn with_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
+async fn by_default_a_new_prefix_goes_to_the_idler_backend() {
     let (x, _y, new) = place_new_prefix(1.0).await;
     assert_eq!(new, x, "traffic decides while the caches are idle");
+}
+
+/// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given.
+async fn new_prefixes_on_the_busy_backend(band: f64) -> usize {
+    let (_fakes, router, _x, y) =
+        hot_on_y(&format!("room_work_band = {band:?}\nreplicate_share = 0.0")).await;
+    let mut on_y = 0;
+    for i in 0..10 {
+        let seed = char::from(b'a' + i);
+        if send(&router, &text(seed, 400)).await == y {
+            on_y += 1;
+        }
+    }
+    router.shutdown().await;
+    on_y
+}
+
+#[tokio::test]
+async fn the_idle_backend_is_given_new_prefixes_only_within_the_band() {
+    // X stays the idler by traffic throughout (Y's hot prompts outweigh ten short prompts), so
+    // without a band every new prefix goes to X…
+    assert_eq!(new_prefixes_on_the_busy_backend(1_000.0).await, 0);
+    // …with the default band, once X has been given more than (1.25 × the mean + 1) new
+    // prefixes, fill decides and Y takes its turn.
+    let on_y = new_prefixes_on_the_busy_backend(0.25).await;
+    assert!((3..=7).contains(&on_y), "Y was given {on_y} of 10");
+}
+
+/// Twenty requests of one hot prefix on two idle backends: (backends that served it,
+/// requests sent to a new replica).
+async fn hot_prefix(replicate_share: f64) -> (std::collections::BTreeSet<String>, f64) {
+    let (_fakes, router) = two_backends(&format!("replicate_share = {replicate_share:?}")).await;
+    // The metrics registry is the process's: count what this router adds.
+    let replicas = || async {
+        common::metrics_text(&router)
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix("inferlb_prefix_replicas_total "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let before = replicas().await;
+    let mut served = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        served.insert(send(&router, &text('H', 400)).await);
+    }
+    let added = replicas().await - before;
+    router.shutdown().await;
+    (served, added)
+}
+
+#[tokio::test]
+async fn a_hot_prefix_whose_holder_takes_all_the_traffic_gets_a_second_holder() {
+    // Its holder carries all the traffic, the prefix more than half a backend's fair share:
+    // from the fifth request on, the other backend is offered as a replica and ties with the
+    // holder, so it serves the prefix too (each request after the fourth: a coin toss).
+    let (served, replicas) = hot_prefix(0.5).await;
+    assert_eq!(served.len(), 2, "both backends serve the hot prefix");
+    assert!(replicas >= 1.0, "inferlb_prefix_replicas_total {replicas}");
+    // Without replication affinity keeps it on its first holder.
+    let (served, replicas) = hot_prefix(0.0).await;
+    assert_eq!(served.len(), 1, "one holder: {served:?}");
+    assert_eq!(replicas, 0.0);
 }

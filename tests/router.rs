@@ -38,7 +38,15 @@ async fn shared_prefix_sticks_until_load_moves_it() {
         FakeBackend::start("b", &["m"]).await,
         FakeBackend::start("c", &["m"]).await,
     ];
-    let router = start_router(config(&backends.iter().collect::<Vec<_>>())).await;
+    // Hot-prefix replication off: one prefix taking all the traffic would otherwise get a
+    // second holder (tests/placement.rs tests that).
+    let mut cfg = config(&backends.iter().collect::<Vec<_>>());
+    cfg.plugins.push(inferlb::config::PluginSpec {
+        kind: "prefix-cache-scorer".into(),
+        name: None,
+        parameters: toml::from_str("replicate_share = 0.0").unwrap(),
+    });
+    let router = start_router(cfg).await;
     let system = "You are a meticulous assistant. ".repeat(60);
     let mut served = Vec::new();
     for i in 0..10 {

@@ -36,8 +36,45 @@ use super::Backend;
 pub struct SentWork {
     prefill: AtomicU64,
     decode: AtomicU64,
-    /// Recent prompt tokens: `f32` bits above, the last update's tick below.
-    recent: AtomicU64,
+    /// Recent prompt tokens.
+    recent: Recent,
+    /// New prefixes placed here lately (the prefix-cache scorer's count).
+    placed: Recent,
+}
+
+/// A quantity that decays with a half-life of [`RECENT_HALF_LIFE_MS`]: one atomic word (the
+/// decayed value as an `f32` above, the tick of its last update below), added to and read
+/// without waiting. Used for each backend's recent work and for the prefix scorer's
+/// per-prefix traffic ([`crate::scheduling::plugins::scorer::prefix_cache`]).
+#[derive(Debug, Default)]
+pub struct Recent(AtomicU64);
+
+impl Recent {
+    /// Add `amount` at `now_ms` (any monotonic millisecond clock, the same for every call).
+    pub fn add(&self, amount: f64, now_ms: u64) {
+        let now = tick(now_ms);
+        // fetch_update never fails with a closure that always returns Some.
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                let (value, then) = unpack(word);
+                let sum = decay(value, then, now) + amount as f32;
+                Some(pack(
+                    if sum.is_finite() {
+                        sum.max(0.0)
+                    } else {
+                        f32::MAX
+                    },
+                    now,
+                ))
+            });
+    }
+
+    /// The value decayed to `now_ms`.
+    pub fn get(&self, now_ms: u64) -> f64 {
+        let (value, then) = unpack(self.0.load(Ordering::Relaxed));
+        f64::from(decay(value, then, tick(now_ms)))
+    }
 }
 
 /// Half-life of [`SentWork::recent_tokens`]: traffic a minute old counts half.
@@ -82,21 +119,22 @@ impl SentWork {
     /// A request of `tokens` prompt tokens was sent at `now_ms` (any monotonic millisecond
     /// clock, the same for every call).
     pub fn note_sent(&self, tokens: u64, now_ms: u64) {
-        let now = tick(now_ms);
-        // fetch_update never fails with a closure that always returns Some.
-        let _ = self
-            .recent
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                let (value, then) = unpack(word);
-                let sum = decay(value, then, now) + tokens as f32;
-                Some(pack(if sum.is_finite() { sum } else { f32::MAX }, now))
-            });
+        self.recent.add(tokens as f64, now_ms);
+    }
+
+    /// A prompt whose prefix no backend held was sent here at `now_ms`.
+    pub fn note_placed(&self, now_ms: u64) {
+        self.placed.add(1.0, now_ms);
+    }
+
+    /// New prefixes placed here lately (one-minute half-life), decayed to `now_ms`.
+    pub fn recent_placed(&self, now_ms: u64) -> f64 {
+        self.placed.get(now_ms)
     }
 
     /// Recent prompt tokens sent (see the module doc), decayed to `now_ms`.
     pub fn recent_tokens(&self, now_ms: u64) -> f64 {
-        let (value, then) = unpack(self.recent.load(Ordering::Relaxed));
-        f64::from(decay(value, then, tick(now_ms)))
+        self.recent.get(now_ms)
     }
 }
 

@@ -287,7 +287,10 @@ impl Scorer for PrefillCostScorer {
                 + self.decode_weight * work.decode_tokens() as f64;
             *slot = cost;
             min = min.min(cost);
-            uncached.push((c.backend.id, own.ceil() as u64));
+            // A hot prefix's new replica is scored as the holders are, but charged (and shown
+            // to P/D) the prefill it really has to do.
+            let real = (prompt - h.cached_tokens()).max(0.0);
+            uncached.push((c.backend.id, real.ceil() as u64));
         }
         drop(held);
         for slot in scores.iter_mut() {

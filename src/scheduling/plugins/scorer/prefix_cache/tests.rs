@@ -87,7 +87,7 @@ fn fill_4_2_0(s: &PrefixCacheScorer, b: &[Arc<Backend>], c: &[Candidate<'_>]) {
 
 #[test]
 fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
-    let (b, s) = setup(3, "block_size = 4\ncapacity = 8");
+    let (b, s) = setup(3, "block_size = 4\ncapacity = 8\nroom_work_weight = 0");
     let c = candidates(&b);
     fill_4_2_0(&s, &b, &c);
     let a = view("aaaabbbbccccdddd");
@@ -259,6 +259,11 @@ fn bad_parameters_are_rejected_with_their_name() {
         "room_weight = 1.5",
         "memory_weight = -0.1",
         "room_work_weight = 1.1",
+        "room_work_band = -1.0",
+        "room_work_band = nan",
+        "replicate_share = 1.5",
+        "replicate_min_prompts = -2.0",
+        "replicate_overload = inf",
         "capacity = 0",
         "capacity = \"lots\"",
         "blocksize = 3",
@@ -369,4 +374,68 @@ fn a_prefix_nobody_holds_goes_where_the_router_last_sent_it() {
     report(&b[0], &ids, 16, 4, 1);
     let (scores, _) = score(&s, &v, &c);
     assert_eq!(scores, vec![1.0, 0.0]);
+}
+
+/// Sends `v` to `backend` as the scheduling layer does: scored, recorded, and its prompt
+/// tokens counted in the backend's recent work.
+fn send(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>], backend: &Backend) {
+    record(s, v, c, backend);
+    backend
+        .work()
+        .note_sent(s.prompt_tokens(v).ceil() as u64, now_ms());
+}
+
+#[test]
+fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
+    let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nroom_weight = 0");
+    let c = candidates(&b);
+    let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
+    let cold = view("cccccccccccccccccccccccccccccccczzzz");
+    // Three hot prompts on backend 0: not yet enough of them (4 prompts' worth) to replicate.
+    for _ in 0..3 {
+        send(&s, &hot, &c, &b[0]);
+    }
+    let held = |v: &RequestView| {
+        let mut state = CycleState::default();
+        s.held(v, &mut state, &c).into_owned()
+    };
+    assert!(!held(&hot)[1].replica);
+    send(&s, &hot, &c, &b[0]);
+    // Four: backend 0 took all the traffic, the prefix alone is more than half a fair share.
+    let h = held(&hot);
+    assert!(h[1].replica, "{h:?}");
+    assert_eq!((h[1].blocks, h[1].tokens), (h[0].blocks, h[0].tokens));
+    assert_eq!(h[1].cached_tokens(), 0.0);
+    let (scores, _) = score(&s, &hot, &c);
+    assert_eq!(scores[0], scores[1]);
+    // Backend 1 takes cold traffic until it carries more than backend 0: no replica then.
+    for _ in 0..6 {
+        send(&s, &cold, &c, &b[1]);
+    }
+    assert!(!held(&hot)[1].replica);
+}
+
+#[test]
+fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
+    let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nreplicate_share = 0");
+    let c = candidates(&b);
+    let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
+    for _ in 0..8 {
+        send(&s, &hot, &c, &b[0]);
+    }
+    let mut state = CycleState::default();
+    assert!(!s.held(&hot, &mut state, &c)[1].replica);
+    // With replication on, a prefix bringing a small part of the holder's traffic stays put.
+    let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nreplicate_share = 0.5");
+    let c = candidates(&b);
+    let one = view("11111111111111111111111111111111qqqq");
+    for i in 0..40 {
+        let other = view(&format!("{i:0>32}qqqq"));
+        send(&s, &other, &c, &b[0]);
+    }
+    for _ in 0..4 {
+        send(&s, &one, &c, &b[0]);
+    }
+    let mut state = CycleState::default();
+    assert!(!s.held(&one, &mut state, &c)[1].replica);
 }
