@@ -188,6 +188,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
             Ok(r) => {
                 let run = RunConfig {
                     label: format!("{}/{}", cfg.name, policy.name()),
+                    keep_messages: false,
                     target: r.url.clone(),
                     request: RequestOptions {
                         model: model.clone(),

@@ -219,9 +219,9 @@ struct RunArgs {
     /// Response header naming the backend that served a request.
     #[arg(long, default_value = "x-inferlb-backend")]
     backend_header: String,
-    /// Write every first-turn request's messages here, one JSON object per line in send order
-    /// (`{"session", "turn", "messages"}`), e.g. to compute a hit-rate bound with the real
-    /// model's tokenizer. Later turns carry the server's answers and are left out.
+    /// Write every request's messages here, one JSON object per line in send order
+    /// (`{"session", "turn", "messages"}`; later turns of a conversation carry the server's
+    /// answers as they came), e.g. to compute a hit-rate bound with the real model's tokenizer.
     #[arg(long, value_name = "PATH")]
     dump_requests: Option<PathBuf>,
     /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
@@ -430,6 +430,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
     let max_requests = a.arrival.requests.or(workload.natural_requests());
     let cfg = RunConfig {
         label: a.workload.name().into(),
+        keep_messages: a.dump_requests.is_some(),
         target: a.url.clone(),
         request: RequestOptions {
             model,
@@ -462,7 +463,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     print!("{}", out.summary.render());
     if let Some(path) = &a.dump_requests {
-        dump_requests(path, &workload, &out.sent)?;
+        dump_requests(path, &out.messages)?;
     }
     if let Some(path) = &a.json {
         let mut json = serde_json::to_value(&out.summary).map_err(|e| e.to_string())?;
@@ -480,14 +481,11 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
 
 fn dump_requests(
     path: &std::path::Path,
-    workload: &Workload,
-    sent: &[(u64, u32)],
+    sent: &[(u64, u32, Vec<vllm_sim::tokenizer::ChatMessage>)],
 ) -> Result<(), String> {
     let mut text = String::new();
-    for &(session, turn) in sent.iter().filter(|(_, turn)| *turn == 0) {
-        let messages: Vec<serde_json::Value> = workload
-            .session(session)
-            .messages(0, &[])
+    for (session, turn, messages) in sent {
+        let messages: Vec<serde_json::Value> = messages
             .iter()
             .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
             .collect();

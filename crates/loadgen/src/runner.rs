@@ -19,11 +19,15 @@ use crate::client::{self, Record, RequestOptions};
 use crate::report::{Collector, Slo, Summary};
 use crate::scrape::FleetScraper;
 use crate::workload::{max_hit_with, Session, Tokens, Workload};
+use vllm_sim::tokenizer::ChatMessage;
 
 /// Everything a run needs besides the workload.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
     pub label: String,
+    /// Keep every request's messages (later turns with the server's answers) in
+    /// [`RunOutput::messages`], for `--dump-requests`.
+    pub keep_messages: bool,
     /// Base URL of the OpenAI server or router.
     pub target: String,
     pub request: RequestOptions,
@@ -57,6 +61,8 @@ pub struct RunOutput {
     pub summary: Summary,
     /// `(session, turn)` of every request in send order.
     pub sent: Vec<(u64, u32)>,
+    /// (session, turn, messages) of every request sent, when `keep_messages`.
+    pub messages: Vec<(u64, u32, Vec<ChatMessage>)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +84,7 @@ struct Ctx {
     workload: Arc<Workload>,
     records: mpsc::UnboundedSender<Record>,
     sent: Mutex<Vec<(u64, u32)>>,
+    messages: Mutex<Vec<(u64, u32, Vec<ChatMessage>)>>,
     dispatched: AtomicU64,
     next_session: AtomicU64,
 }
@@ -109,6 +116,11 @@ impl Ctx {
 
     async fn send(&self, t: &Turn) -> Record {
         let messages = t.session.messages(t.turn as usize, &t.answers);
+        if self.cfg.keep_messages {
+            if let Ok(mut kept) = self.messages.lock() {
+                kept.push((t.session.id, t.turn, messages.clone()));
+            }
+        }
         let mut rec = client::send(
             &self.client,
             &self.cfg.target,
@@ -138,6 +150,7 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         workload: Arc::clone(&workload),
         records: tx,
         sent: Mutex::new(Vec::new()),
+        messages: Mutex::new(Vec::new()),
         dispatched: AtomicU64::new(0),
         next_session: AtomicU64::new(0),
     });
@@ -185,6 +198,11 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
     let wall = start.elapsed().as_secs_f64();
     let dispatched = ctx.dispatched.load(Ordering::Relaxed);
     let sent = ctx.sent.lock().map(|s| s.clone()).unwrap_or_default();
+    let messages = ctx
+        .messages
+        .lock()
+        .map(|mut m| std::mem::take(&mut *m))
+        .unwrap_or_default();
     drop(ctx);
     let mut collected = collector.await.unwrap_or_default();
     // Requests dispatched but never recorded were cut off by the drain timeout.
@@ -198,7 +216,11 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         .as_ref()
         .map(|_| max_hit_with(&cfg.tokens, &workload, &sent, cfg.block_size));
     let summary = Summary::new(&cfg.label, &collected, wall, cfg.time_scale, fleet, bound);
-    Ok(RunOutput { summary, sent })
+    Ok(RunOutput {
+        summary,
+        sent,
+        messages,
+    })
 }
 
 fn progress_bar(cfg: &RunConfig) -> ProgressBar {

@@ -163,6 +163,7 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
 fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<String>) -> RunConfig {
     RunConfig {
         label: "direct".into(),
+        keep_messages: true,
         target: url.into(),
         request: RequestOptions {
             model: vllm_sim::config::DEFAULT_MODEL.into(),
@@ -222,6 +223,22 @@ async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
                 .map(|(_, t)| *t)
                 .collect();
             assert_eq!(turns, vec![0, 1, 2], "{arrival:?}");
+            // The messages kept for --dump-requests are the ones sent: each later turn
+            // carries the conversation so far, the server's answers included.
+            let kept: Vec<&Vec<_>> = out
+                .messages
+                .iter()
+                .filter(|(c, _, _)| *c == conv)
+                .map(|(_, _, m)| m)
+                .collect();
+            assert_eq!(kept.len(), 3, "{arrival:?}");
+            for (t, m) in kept.iter().enumerate() {
+                // system, then (user, assistant) per earlier turn, then this turn's user
+                assert_eq!(m.len(), 2 + 2 * t, "{arrival:?} turn {t}");
+                assert_eq!(&m[..m.len() - 1], &kept[2][..m.len() - 1]);
+            }
+            assert_eq!(kept[2][2].role, "assistant");
+            assert!(!kept[2][2].content.is_empty());
         }
         // One backend with a big cache reaches the infinite-cache bound exactly, which it
         // can only do if the history (answers included) was re-sent verbatim.
