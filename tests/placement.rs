@@ -1,6 +1,6 @@
 //! Where a prefix goes, through the real router: a prefix nobody holds by the caches' fill
-//! (`room_work_weight = 0`) or by the backends' recent traffic (the default), within a band on
-//! how many new prefixes one backend is given; and a hot prefix whose holder takes too much of
+//! (the default) or by the backends' recent traffic (`room_work_weight = 1`), the new prefixes
+//! each was just given counted at an average prefix's traffic; and a hot prefix whose holder takes too much of
 //! the traffic to a second holder (hot-prefix replication).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -94,21 +94,23 @@ async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
 }
 
 #[tokio::test]
-async fn without_room_work_weight_a_new_prefix_goes_to_the_emptiest_cache() {
+async fn by_default_a_new_prefix_goes_to_the_emptiest_cache() {
     let (_x, y, new) = place_new_prefix(0.0).await;
     assert_eq!(new, y, "fill decides: Y holds only the short hot prefix");
 }
 
 #[tokio::test]
-async fn by_default_a_new_prefix_goes_to_the_idler_backend() {
+async fn with_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
     let (x, _y, new) = place_new_prefix(1.0).await;
     assert_eq!(new, x, "traffic decides while the caches are idle");
 }
 
 /// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given.
-async fn new_prefixes_on_the_busy_backend(band: f64) -> usize {
-    let (_fakes, router, _x, y) =
-        hot_on_y(&format!("room_work_band = {band:?}\nreplicate_share = 0.0")).await;
+async fn new_prefixes_on_the_busy_backend(room_placed_weight: f64) -> usize {
+    let (_fakes, router, _x, y) = hot_on_y(&format!(
+        "room_work_weight = 1.0\nroom_placed_weight = {room_placed_weight:?}\nreplicate_share = 0.0"
+    ))
+    .await;
     let mut on_y = 0;
     for i in 0..10 {
         let seed = char::from(b'a' + i);
@@ -121,13 +123,12 @@ async fn new_prefixes_on_the_busy_backend(band: f64) -> usize {
 }
 
 #[tokio::test]
-async fn the_idle_backend_is_given_new_prefixes_only_within_the_band() {
-    // X stays the idler by traffic throughout (Y's hot prompts outweigh ten short prompts), so
-    // without a band every new prefix goes to X…
-    assert_eq!(new_prefixes_on_the_busy_backend(1_000.0).await, 0);
-    // …with the default band, once X has been given more than (1.25 × the mean + 1) new
-    // prefixes, fill decides and Y takes its turn.
-    let on_y = new_prefixes_on_the_busy_backend(0.25).await;
+async fn new_prefixes_count_ahead_of_their_traffic() {
+    // X stays the idler by traffic alone (Y's hot prompts outweigh ten short prompts), so
+    // judged by traffic alone every new prefix goes to X…
+    assert_eq!(new_prefixes_on_the_busy_backend(0.0).await, 0);
+    // …while each new prefix X is given counts as an average prefix's traffic: Y takes turns.
+    let on_y = new_prefixes_on_the_busy_backend(1.0).await;
     assert!((3..=7).contains(&on_y), "Y was given {on_y} of 10");
 }
 

@@ -16,15 +16,17 @@
 //! Beside the work in force, each backend keeps its **recent** work: the prompt tokens of every
 //! request sent to it, decayed exponentially with a half-life of [`RECENT_HALF_LIFE_MS`]. It is
 //! the router's measure of how the fleet's traffic has been shared out lately, whether or not
-//! anything is queued (`/admin/backends` shows it; the `prefix-cache-scorer` can place new
-//! prefixes by it, `room_work_weight`):
+//! anything is queued (`/admin/backends` shows it; the `prefix-cache-scorer` places new
+//! prefixes and replicates hot ones by it), and how many new prefixes it was given lately
+//! ([`SentWork::note_placed`]):
 //!
 //! ```text
 //! recent(now) = Σ_requests prompt_tokens · 2^(−(now − sent_at) / half_life)
 //! ```
 //!
-//! It is one atomic word per backend (the decayed value as an `f32` and the time of its last
-//! update in 16 ms ticks, updated by compare-and-swap), so recording and reading never wait.
+//! Each is a [`Recent`]: one atomic word (the decayed value as an `f32` and the time of its
+//! last update in 16 ms ticks, updated by compare-and-swap), so recording and reading never
+//! wait.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -52,6 +54,9 @@ pub struct Recent(AtomicU64);
 impl Recent {
     /// Add `amount` at `now_ms` (any monotonic millisecond clock, the same for every call).
     pub fn add(&self, amount: f64, now_ms: u64) {
+        if !amount.is_finite() {
+            return;
+        }
         let now = tick(now_ms);
         // fetch_update never fails with a closure that always returns Some.
         let _ = self
@@ -59,13 +64,19 @@ impl Recent {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
                 let (value, then) = unpack(word);
                 let sum = decay(value, then, now) + amount as f32;
+                // Keep the later tick when another thread stored one after `now` was read.
+                let later = if now.wrapping_sub(then) > u32::MAX / 2 {
+                    then
+                } else {
+                    now
+                };
                 Some(pack(
                     if sum.is_finite() {
                         sum.max(0.0)
                     } else {
                         f32::MAX
                     },
-                    now,
+                    later,
                 ))
             });
     }
@@ -97,7 +108,11 @@ fn decay(value: f32, then: u32, now: u32) -> f32 {
     if value <= 0.0 {
         return 0.0;
     }
-    let age_ms = f64::from(now.wrapping_sub(then)) * TICK_MS as f64;
+    // A `now` read before another thread stored a later tick looks 2³² ticks old: an age
+    // beyond half the tick range is such a race, and counts as no age at all.
+    let age = now.wrapping_sub(then);
+    let age = if age > u32::MAX / 2 { 0 } else { age };
+    let age_ms = f64::from(age) * TICK_MS as f64;
     (f64::from(value) * (-age_ms / RECENT_HALF_LIFE_MS as f64).exp2()) as f32
 }
 

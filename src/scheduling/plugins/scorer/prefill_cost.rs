@@ -26,6 +26,12 @@
 //! grows past it; it comes back as the queue drains. A request with no prompt text is placed
 //! by `pending` and `decoding` alone.
 //!
+//! The prefix scorer may also name a hot prefix's new replica for a decision (its hot-prefix
+//! replication, which balances by traffic share rather than by queue): that candidate's
+//! `held_i` is then the holders' (it is priced as a holder, so the split can happen while no
+//! queue has formed), while the prefill it is charged and shows P/D is what it really holds
+//! ([`Held::cached_tokens`]).
+//!
 //! Parameters: `decode_weight` (default 0.05: in vLLM a decoding sequence's context costs far
 //! less per step than a prefilled token, but it holds KV blocks) and `smoothing` (default 256
 //! tokens).

@@ -4,13 +4,15 @@
 //! A prefix is named by the routing text's chain hash at a block depth (the hash covers every
 //! block before it). After each pick the request's prompt tokens are added at the depths 1, 2,
 //! 4, … up to its length, so a prefix of any length has a recorded depth within a factor of
-//! two of it; a decision reads the depth just below the longest match it found.
+//! two of it; a decision reads the depth it needs (see the parent module's doc).
 //!
 //! The counts live in a fixed table: two rows of `SLOTS` decaying counters
 //! ([`Recent`], one-minute half-life), each key counted in one slot of each row chosen by a
 //! seeded mix of its hash, and read as the smaller of its two slots (a count-min sketch). So
-//! memory is fixed whatever the clients send, recording and reading never wait, and a key can
-//! only be over-counted (when it shares both of its slots with others), never under-counted.
+//! memory is fixed whatever the clients send, recording and reading never wait, and a key is
+//! over-counted only when it shares both of its slots with others. Over-counting grows with
+//! the traffic recorded (about `depths × traffic ÷ 4,096` a slot); at that point a prefix can
+//! look hot and be replicated once more than it needed.
 
 use std::hash::{BuildHasher, Hasher};
 

@@ -41,13 +41,20 @@
 //! Balancing traffic moves new prefixes off the hot backend, so the others hold more distinct
 //! prefixes: harmless while their caches have room, a source of evictions and preemptions
 //! when they are full (w = 1 alone raised the simulator's TTFT p90 at 73 % cache pressure from
-//! 0.10 s to 0.17 s). Two rules keep the cache cost bounded, and make `w = 1` the default:
+//! 0.10 s to 0.17 s). Two rules narrow that cost; with both, the simulator's TTFT p90 at that
+//! pressure still rose by about a sixth (Zipf, medians of 3, 2026-12-04), so `w` stays 0 by
+//! default and `bench/policies/balanced.toml` turns both on (README, Routing quality):
 //!
-//! * **a band on new prefixes**: each backend counts the new prefixes (held nowhere when
-//!   placed) it was given lately (`placed`, one-minute half-life); a candidate with
-//!   `placed ≥ (1 + room_work_band) · mean(placed) + 1` gets `room_by_work = 0` and traffic
-//!   ranks the others among themselves, so no cache is handed many more distinct prefixes
-//!   than its peers for its light traffic;
+//! * **new prefixes count ahead of their traffic**: each backend counts the new prefixes
+//!   (held nowhere when placed) it was given lately (`placed`, one-minute half-life), and the
+//!   traffic that ranks the candidates is
+//!   `work + room_placed_weight · placed · Σ work ÷ Σ placed` (weight 0.5): a prefix placed
+//!   a moment ago has brought one request, and will bring about what the average prefix does
+//!   (half of it counted: on two real vLLM servers 0.5 kept both the uniform and the Zipf
+//!   workloads at the bound and balanced where 1 and 2 lost hits on Zipf). Without it, a
+//!   backend that was idle for a few seconds took every new prefix of a uniform workload
+//!   (9 of 14 groups on two real vLLM servers: 64 % of the prompt tokens, evictions, 0.92 of
+//!   the hit-rate bound);
 //! * **hot-prefix replication**, which balances with the hot prefix itself instead of with
 //!   the cold ones: a prefix that alone brings its holder more than its share is given a
 //!   second holder, which costs one prefill of it and splits its traffic.
@@ -56,8 +63,11 @@
 //!
 //! Each pick adds the prompt's tokens to a per-prefix traffic count ([`hot`]: the routing
 //! text's chain hash at depths 1, 2, 4, …, one-minute half-life, a fixed-size count-min
-//! table). A decision reads the count `r` of the first half of the longest match any
-//! candidate has (the part a new copy shares with the prompts that follow). With `H` the
+//! table). A decision reads the count `r` at a recorded depth past every block the other
+//! candidates hold (the part a new copy would add; a system prompt held everywhere names no
+//! one prefix) and, where one is, within the first half of the longest match (the part a new
+//! copy shares with the prompts that follow); with none past them, nothing is replicated.
+//! Prompts are counted in estimated tokens, as the backends' recent work is. With `H` the
 //! candidates holding the best match (`h` of them), `work` as above, `fair` the candidates'
 //! mean work and `P` this prompt's tokens, when
 //!
@@ -72,7 +82,7 @@
 //! `prefill-cost-scorer` prices it the same), while the prefill it is charged and P/D's view
 //! of its cached tokens stay what it really holds ([`Held::cached_tokens`]). Once it has
 //! served the prefix it is a holder like the first, and the prefix's traffic splits between
-//! them by load. `replicate_share = 0` turns replication off;
+//! them by load. `replicate_share = 0` (the default) turns replication off;
 //! `inferlb_prefix_replicas_total` counts the requests sent to a replica.
 //!
 //! After the pick, the chosen backend's LRU records the prompt's blocks. Each backend's LRU holds at most
@@ -136,7 +146,7 @@ use crate::config_error::ConfigError;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::kv_events::chain::prompt_chain;
 use crate::kv_events::store::Status;
-use crate::prompt::RequestView;
+use crate::prompt::{RequestView, RoleScope};
 use crate::scheduling::framework::{lower_is_better, CycleState, Plugin, Scorer, Signal};
 use crate::scheduling::plugins::{identity, parameters};
 use crate::telemetry as t;
@@ -177,9 +187,9 @@ struct Params {
     memory_weight: f64,
     /// Share of the room term judged by recent traffic rather than fill (see the module doc).
     room_work_weight: f64,
-    /// How many more new prefixes than the candidates' mean (as a fraction of it, plus one)
-    /// a backend may have been given lately and still be chosen for its light traffic.
-    room_work_band: f64,
+    /// How much each new prefix a backend was given lately adds to its traffic, in average
+    /// prefixes' traffic (module doc).
+    room_placed_weight: f64,
     /// Hot-prefix replication: a prefix whose recent traffic per holder is at least this share
     /// of a backend's fair share may be given to one more backend (0: never; module doc).
     replicate_share: f64,
@@ -205,9 +215,9 @@ impl Default for Params {
             precise_max_blocks: 8_192,
             inflight_ms: 2_000,
             memory_weight: 1.0,
-            room_work_weight: 1.0,
-            room_work_band: 0.25,
-            replicate_share: 0.5,
+            room_work_weight: 0.0,
+            room_placed_weight: 0.5,
+            replicate_share: 0.0,
             replicate_min_prompts: 4.0,
             replicate_overload: 0.1,
         }
@@ -232,7 +242,8 @@ pub struct Held {
     /// This backend is the hot prefix's new replica: `blocks` and `tokens` are the holders'
     /// (what it will hold once it has served the request), `cached` what it holds now.
     pub replica: bool,
-    /// The tokens it holds now when `replica` (else `tokens`).
+    /// The tokens it holds now when `replica` (unused otherwise: read
+    /// [`Held::cached_tokens`]).
     pub cached: f64,
 }
 
@@ -326,8 +337,11 @@ impl PrefixCacheScorer {
         }
         // NaN is neither ≥ 0 nor finite, so these refuse it.
         let non_negative = |x: f64| x.is_finite() && x >= 0.0;
-        if !non_negative(params.room_work_band) {
-            return Err(ConfigError::invalid(field, "room_work_band must be ≥ 0"));
+        if !non_negative(params.room_placed_weight) {
+            return Err(ConfigError::invalid(
+                field,
+                "room_placed_weight must be ≥ 0",
+            ));
         }
         if !(0.0..=1.0).contains(&params.replicate_share)
             || !non_negative(params.replicate_min_prompts)
@@ -518,8 +532,7 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
-        let longest = matched.iter().copied().max().unwrap_or(0);
-        self.replicate(request, candidates, &hashes, longest, &mut out);
+        self.replicate(request, candidates, &hashes, &matched, &mut out);
         if !precise.is_empty() {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
                 .increment(precise.len() as u64);
@@ -554,11 +567,16 @@ impl PrefixCacheScorer {
         request: &RequestView,
         candidates: &[Candidate<'_>],
         hashes: &[u64],
-        longest: usize,
+        matched: &[usize],
         held: &mut [Held],
     ) {
         let p = &self.params;
-        if p.replicate_share <= 0.0 || candidates.len() < 2 || longest == 0 {
+        let longest = matched.iter().copied().max().unwrap_or(0);
+        if p.replicate_share <= 0.0
+            || candidates.len() < 2
+            || longest == 0
+            || request.roles == RoleScope::PrefillStep
+        {
             return;
         }
         let ratio = |h: &Held| {
@@ -578,11 +596,21 @@ impl PrefixCacheScorer {
             .map(|c| c.backend.work().recent_tokens(now))
             .collect();
         let fair = work.iter().sum::<f64>() / candidates.len() as f64;
-        let prompt = self.prompt_tokens(request);
-        // The prefix whose traffic counts is the first half of the longest match: the part a
-        // new copy would share with the prompts that follow (a repeated prompt's own blocks
-        // would name only itself, not its group).
-        let traffic = self.traffic.recent(hashes, longest.div_ceil(2), now);
+        let prompt = request.estimated_prompt_tokens() as f64;
+        // The prefix whose traffic counts: a recorded depth past what every other candidate
+        // holds (the part a new copy adds: a system prompt held everywhere says nothing), at
+        // most half the longest match where it can be (a repeated prompt's own blocks would
+        // name only itself, not its group).
+        let elsewhere = matched
+            .iter()
+            .copied()
+            .filter(|m| *m < longest)
+            .max()
+            .unwrap_or(0);
+        let Some(depth) = traffic_depth(elsewhere, longest) else {
+            return;
+        };
+        let traffic = self.traffic.recent(hashes, depth, now);
         let mut holders = 0usize;
         let mut holder = None;
         let mut target: Option<usize> = None;
@@ -594,14 +622,17 @@ impl PrefixCacheScorer {
                     return;
                 }
                 holder.get_or_insert(i);
-            } else if target.is_none_or(|t| work[i] < work[t]) {
+            } else if target
+                .is_none_or(|t| work[i] < work[t] || (work[i] == work[t] && fastrand::bool()))
+            {
                 target = Some(i);
             }
         }
         let (Some(holder), Some(target)) = (holder, target) else {
             return;
         };
-        if !(traffic >= p.replicate_min_prompts * prompt
+        if !(fair > 0.0
+            && traffic >= p.replicate_min_prompts * prompt
             && traffic >= p.replicate_share * fair * holders as f64)
         {
             return;
@@ -672,6 +703,19 @@ impl PrefixCacheScorer {
     }
 }
 
+/// The recorded depth (a power of two) whose traffic names the prefix that `longest` blocks
+/// hold and no other candidate's `elsewhere` blocks do: the largest within half of `longest`
+/// if one is past `elsewhere`, else the largest within `longest`; `None` if none is past it.
+fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
+    [longest.div_ceil(2), longest]
+        .into_iter()
+        .map(|blocks| match blocks {
+            0 => 0,
+            b => 1usize << (usize::BITS - 1 - b.leading_zeros()),
+        })
+        .find(|d| *d > elsewhere)
+}
+
 /// Was the request's prefix held nowhere when it was last scored (a new prefix placed)?
 fn is_new_prefix(scratch: Option<&Scratch>) -> bool {
     scratch.is_some_and(|s| s.held.iter().all(|h| h.blocks == 0 || h.replica))
@@ -728,8 +772,11 @@ impl Plugin for PrefixCacheScorer {
         if hashes.is_empty() {
             return;
         }
-        self.traffic
-            .record(hashes, self.prompt_tokens(request), now_ms());
+        // Once per request: a P/D prefill step is the same request's traffic again.
+        if request.roles != RoleScope::PrefillStep {
+            self.traffic
+                .record(hashes, request.estimated_prompt_tokens() as f64, now_ms());
+        }
         if is_new_prefix(state.get::<Scratch>(&self.name)) {
             backend.work().note_placed(now_ms());
         }
@@ -806,29 +853,25 @@ impl Scorer for PrefixCacheScorer {
                 let t = self.traffic_share(candidates);
                 if t > 0.0 {
                     let now = now_ms();
-                    // Within a band: a backend that was given more new prefixes lately
-                    // than its peers' mean by `room_work_band` is not given more for its
-                    // light traffic (its cache would hold more distinct prefixes than
-                    // theirs); traffic ranks the others among themselves.
+                    // Recent traffic says what the prefixes a backend has held for a while
+                    // bring; the prefixes it was just given have brought next to nothing
+                    // yet. Each of those counts as much as the average prefix brings.
                     let placed: Vec<f64> = candidates
                         .iter()
                         .map(|c| c.backend.work().recent_placed(now))
                         .collect();
-                    let bound = (1.0 + self.params.room_work_band) * placed.iter().sum::<f64>()
-                        / candidates.len() as f64
-                        + 1.0;
-                    let work: Vec<Option<f64>> = candidates
+                    let work: Vec<f64> = candidates
                         .iter()
-                        .zip(&placed)
-                        .map(|(c, p)| (*p < bound).then(|| c.backend.work().recent_tokens(now)))
+                        .map(|c| c.backend.work().recent_tokens(now))
                         .collect();
+                    let per_prefix = work.iter().sum::<f64>() / placed.iter().sum::<f64>().max(1.0);
                     let mut by_work = vec![0.0; candidates.len()];
-                    lower_is_better(work.iter().copied(), &mut by_work);
-                    for (w, in_band) in by_work.iter_mut().zip(&work) {
-                        if in_band.is_none() {
-                            *w = 0.0;
-                        }
-                    }
+                    lower_is_better(
+                        work.iter().zip(&placed).map(|(w, p)| {
+                            Some(w + self.params.room_placed_weight * p * per_prefix)
+                        }),
+                        &mut by_work,
+                    );
                     for (room, w) in room.iter_mut().zip(&by_work) {
                         *room = (1.0 - t) * *room + t * w;
                     }

@@ -105,7 +105,7 @@ fn prefixes_nobody_holds_go_where_the_index_is_emptiest() {
 #[test]
 fn room_by_traffic_weighs_in_as_the_caches_are_free() {
     let b = backends(3);
-    let s = scorer("block_size = 4\ncapacity = 8\nroom_work_weight = 1.0");
+    let s = scorer("block_size = 4\ncapacity = 8\nroom_work_weight = 1.0\nroom_placed_weight = 0");
     let none = candidates(&b);
     // Fill 4/8, 2/8, 0/8 (room by fill 0, 0.5, 1)…
     fill_4_2_0(&s, &b, &none);
@@ -259,8 +259,8 @@ fn bad_parameters_are_rejected_with_their_name() {
         "room_weight = 1.5",
         "memory_weight = -0.1",
         "room_work_weight = 1.1",
-        "room_work_band = -1.0",
-        "room_work_band = nan",
+        "room_placed_weight = -1.0",
+        "room_placed_weight = nan",
         "replicate_share = 1.5",
         "replicate_min_prompts = -2.0",
         "replicate_overload = inf",
@@ -387,7 +387,10 @@ fn send(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>], backend: &B
 
 #[test]
 fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
-    let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nroom_weight = 0");
+    let (b, s) = setup(
+        2,
+        "block_size = 4\ncapacity = 1000\nroom_weight = 0\nreplicate_share = 0.5",
+    );
     let c = candidates(&b);
     let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
     let cold = view("cccccccccccccccccccccccccccccccczzzz");
