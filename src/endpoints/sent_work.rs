@@ -65,11 +65,7 @@ impl Recent {
                 let (value, then) = unpack(word);
                 let sum = decay(value, then, now) + amount as f32;
                 // Keep the later tick when another thread stored one after `now` was read.
-                let later = if now.wrapping_sub(then) > u32::MAX / 2 {
-                    then
-                } else {
-                    now
-                };
+                let later = if behind(now, then) { then } else { now };
                 Some(pack(
                     if sum.is_finite() {
                         sum.max(0.0)
@@ -108,12 +104,20 @@ fn decay(value: f32, then: u32, now: u32) -> f32 {
     if value <= 0.0 {
         return 0.0;
     }
-    // A `now` read before another thread stored a later tick looks 2³² ticks old: an age
-    // beyond half the tick range is such a race, and counts as no age at all.
-    let age = now.wrapping_sub(then);
-    let age = if age > u32::MAX / 2 { 0 } else { age };
+    let age = if behind(now, then) {
+        0
+    } else {
+        now.wrapping_sub(then)
+    };
     let age_ms = f64::from(age) * TICK_MS as f64;
     (f64::from(value) * (-age_ms / RECENT_HALF_LIFE_MS as f64).exp2()) as f32
+}
+
+/// Was `now` read before another thread stored the later tick `then`? Such a `now` looks
+/// almost 2³² ticks past `then`: any gap beyond half the tick range is taken for this race
+/// (and counts as no age), not for a pause of over a year.
+fn behind(now: u32, then: u32) -> bool {
+    now.wrapping_sub(then) > u32::MAX / 2
 }
 
 fn tick(now_ms: u64) -> u32 {

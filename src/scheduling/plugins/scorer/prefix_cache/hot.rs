@@ -83,7 +83,7 @@ fn depths(n: usize) -> impl Iterator<Item = usize> {
 }
 
 /// The deepest recorded depth within `blocks`: the largest power of two ≤ it (0 for 0).
-fn recorded_depth(blocks: usize) -> usize {
+pub(super) fn recorded_depth(blocks: usize) -> usize {
     match blocks {
         0 => 0,
         b => 1 << (usize::BITS - 1 - b.leading_zeros()),

@@ -248,6 +248,15 @@ pub struct Held {
 }
 
 impl Held {
+    /// `blocks ÷ of`: the share of the prompt's full blocks held (0 when it has none).
+    pub fn ratio(&self) -> f64 {
+        if self.of == 0 {
+            0.0
+        } else {
+            self.blocks as f64 / self.of as f64
+        }
+    }
+
     /// Prompt tokens this backend holds now: what its prefill is spared.
     pub fn cached_tokens(&self) -> f64 {
         if self.replica {
@@ -579,14 +588,7 @@ impl PrefixCacheScorer {
         {
             return;
         }
-        let ratio = |h: &Held| {
-            if h.of == 0 {
-                0.0
-            } else {
-                h.blocks as f64 / h.of as f64
-            }
-        };
-        let best = held.iter().map(ratio).fold(0.0, f64::max);
+        let best = held.iter().map(Held::ratio).fold(0.0, f64::max);
         if best <= 0.0 {
             return;
         }
@@ -615,7 +617,7 @@ impl PrefixCacheScorer {
         let mut holder = None;
         let mut target: Option<usize> = None;
         for (i, h) in held.iter().enumerate() {
-            if ratio(h) >= best {
+            if h.ratio() >= best {
                 holders += 1;
                 // Every holder must be over its share: one that is not can take the traffic.
                 if work[i] < (1.0 + p.replicate_overload) * fair {
@@ -709,16 +711,14 @@ impl PrefixCacheScorer {
 fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
     [longest.div_ceil(2), longest]
         .into_iter()
-        .map(|blocks| match blocks {
-            0 => 0,
-            b => 1usize << (usize::BITS - 1 - b.leading_zeros()),
-        })
+        .map(hot::recorded_depth)
         .find(|d| *d > elsewhere)
 }
 
-/// Was the request's prefix held nowhere when it was last scored (a new prefix placed)?
-fn is_new_prefix(scratch: Option<&Scratch>) -> bool {
-    scratch.is_some_and(|s| s.held.iter().all(|h| h.blocks == 0 || h.replica))
+/// Was the request's prefix held nowhere when it was last scored (a new prefix placed)? A
+/// replica is only ever named beside a holder, so a decision with one is never new.
+fn is_new_prefix(scratch: &Scratch) -> bool {
+    scratch.held.iter().all(|h| h.blocks == 0)
 }
 
 impl Plugin for PrefixCacheScorer {
@@ -750,7 +750,9 @@ impl Plugin for PrefixCacheScorer {
                 (&computed, 0)
             }
         };
+        let mut new_prefix = false;
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
+            new_prefix = is_new_prefix(scratch);
             let replica = scratch
                 .matched
                 .iter()
@@ -777,7 +779,7 @@ impl Plugin for PrefixCacheScorer {
             self.traffic
                 .record(hashes, request.estimated_prompt_tokens() as f64, now_ms());
         }
-        if is_new_prefix(state.get::<Scratch>(&self.name)) {
+        if new_prefix {
             backend.work().note_placed(now_ms());
         }
         metrics::histogram!(t::PREFIX_MATCH_RATIO).record(matched as f64 / hashes.len() as f64);
@@ -825,7 +827,7 @@ impl Scorer for PrefixCacheScorer {
             } else {
                 h.blocks.saturating_mul(self.params.block_size) as f64
             };
-            let ratio = h.blocks as f64 / h.of as f64;
+            let ratio = h.ratio();
             let length = (chars / self.params.long_match_chars as f64).min(1.0);
             *slot = (1.0 - w) * ratio + w * length;
         }
