@@ -23,6 +23,8 @@ BUILT_FROM = {
     "inferlb": ["src", "Cargo.toml", "Cargo.lock"],
     "loadgen": ["crates/loadgen", "crates/vllm-sim", "Cargo.toml", "Cargo.lock"],
     "vllm-sim": ["crates/vllm-sim", "Cargo.toml", "Cargo.lock"],
+    # benches/cost_curves.rs, copied out of target/release/deps by bench/cost_curves.py
+    "cost_curves": ["src", "benches", "Cargo.toml", "Cargo.lock"],
 }
 
 
