@@ -9,7 +9,10 @@
 # streaming, `examples/sse_responder.rs` (100 SSE events per request, each its own chunk,
 # written as fast as the client reads). wrk POSTs a chat-completion body (bench/wrk/post.lua).
 #
-# Every cell is run REPS times; the table gives medians (and the range of the ratios).
+# Every cell is run REPS times; the table gives medians (and the range of the ratios). Beside
+# requests/s, each proxy's CPU per 1,000 requests: its processes' utime + stime (from
+# /proc/PID/stat, the nginx proxy's master and workers summed) over the wrk run, divided by the
+# requests wrk completed; on shared cores it is steadier than requests/s.
 # Usage: bench/overhead.sh [SECONDS=10] [CONNECTIONS=64] [REPS=3] [LABEL]
 # Writes bench/results/overhead-<date>[-LABEL].md (and a .json of every run).
 set -euo pipefail
@@ -107,6 +110,7 @@ for p in "${WHOLE_PORTS[@]}" "${STREAM_PORTS[@]}"; do wait_http "http://127.0.0.
 
 # --- proxies: one instance per backend kind ---------------------------------------------
 declare -A URL   # URL[row-mode]
+declare -A CPU_PID   # CPU_PID[row-mode]: the proxy's main process (its children are counted too)
 for mode in whole stream; do
   if [ "$mode" = whole ]; then PORTS=("${WHOLE_PORTS[@]}"); else PORTS=("${STREAM_PORTS[@]}"); fi
   URL[direct-$mode]="http://127.0.0.1:${PORTS[0]}"
@@ -121,12 +125,14 @@ for mode in whole stream; do
   "$LB" --listen "127.0.0.1:$P" "${FLAGS[@]}" >"$WORK/inferlb-$mode.log" 2>&1 &
   PIDS+=($!)
   echo "$!" >"$WORK/inferlb-$mode.pid"
+  CPU_PID[inferlb-$mode]=$!
   URL[inferlb-$mode]="http://127.0.0.1:$P"
   # LB_PREV=path/to/an/older/inferlb adds a row `inferlb-prev`: before/after in one run.
   if [ -n "${LB_PREV:-}" ]; then
     P=$(free_port)
     "$LB_PREV" --listen "127.0.0.1:$P" "${FLAGS[@]}" >"$WORK/inferlb-prev-$mode.log" 2>&1 &
     PIDS+=($!)
+    CPU_PID[inferlb-prev-$mode]=$!
     URL[inferlb-prev-$mode]="http://127.0.0.1:$P"
   fi
 
@@ -157,6 +163,7 @@ $UPSTREAM    keepalive 256;
 NGX
   "$NGINX" -p "$WORK/proxy-$mode" -c "$WORK/proxy-$mode/nginx.conf" -g 'daemon off;' &
   PIDS+=($!)
+  CPU_PID[nginx-$mode]=$!
   URL[nginx-$mode]="http://127.0.0.1:$P"
 
   # The two public Rust routers, with their LLM-aware policy (as inferlb's default profile is).
@@ -167,6 +174,7 @@ NGX
       --host 127.0.0.1 --port "$P" --prometheus-host 127.0.0.1 --prometheus-port "$M" \
       >"$WORK/sglang-$mode.log" 2>&1 &
     PIDS+=($!)
+    CPU_PID[sglang-$mode]=$!
     URL[sglang-$mode]="http://127.0.0.1:$P"
   fi
   if [ -z "${NO_EXTERNAL:-}" ] && [ -x "$VENV/bin/vllm-router" ]; then
@@ -176,6 +184,7 @@ NGX
       --host 127.0.0.1 --port "$P" --prometheus-host 127.0.0.1 --prometheus-port "$M" \
       >"$WORK/vllm-router-$mode.log" 2>&1 &
     PIDS+=($!)
+    CPU_PID[vllm-router-$mode]=$!
     URL[vllm-router-$mode]="http://127.0.0.1:$P"
   fi
 done
@@ -190,14 +199,29 @@ for mode in whole stream; do
   for r in "${ROWS[@]}"; do wait_post "${URL[$r-$mode]}" "$r-$mode"; done
 done
 
+# CPU ticks (utime + stime, 1/CLK_TCK s) of a process and its children (nginx's workers).
+cpu_ticks() { # PID
+  local total=0 t
+  for q in "$1" $(pgrep -P "$1" || true); do
+    # Fields after "pid (comm) ": state is the 1st, utime the 12th, stime the 13th.
+    t=$(sed 's/^.*) //' "/proc/$q/stat" 2>/dev/null | awk '{print $12 + $13}') || t=0
+    total=$((total + ${t:-0}))
+  done
+  echo "$total"
+}
+getconf CLK_TCK >"$WORK/clk_tck"
+
 # --- runs --------------------------------------------------------------------------------
 LOAD_BEFORE=$(uptime)
 for rep in $(seq "$REPS"); do
   for mode in whole stream; do
     [ "$mode" = stream ] && S=true || S=false
     for r in "${ROWS[@]}"; do
+      PID=${CPU_PID[$r-$mode]:-}
+      [ -n "$PID" ] && BEFORE=$(cpu_ticks "$PID")
       STREAM=$S wrk -t"$WRK_THREADS" -c"$CONN" -d"${DUR}s" --latency -s bench/wrk/post.lua \
         "${URL[$r-$mode]}/v1/chat/completions" >"$WORK/$r-$mode-$rep.txt" 2>&1 || true
+      [ -n "$PID" ] && echo $(($(cpu_ticks "$PID") - BEFORE)) >"$WORK/$r-$mode-$rep.cpu"
       echo "rep $rep $mode $r: $(grep -E 'Requests/sec' "$WORK/$r-$mode-$rep.txt" || echo failed)" >&2
     done
   done
