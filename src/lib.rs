@@ -227,13 +227,13 @@ pub async fn run_reloadable(
         max_header_bytes: config.server.max_header_bytes,
         max_connections: config.limits.max_connections,
     };
-    let main_router = front_door::router(Arc::clone(&state), listeners.admin.is_none());
+    let main_routes = front_door::Routes::openai(Arc::clone(&state), listeners.admin.is_none());
     let admin = listeners.admin.map(|listener| {
         let router = front_door::admin_router(Arc::clone(&state));
         let mut stop = stop_rx.clone();
         tokio::spawn(front_door::serve::serve(
             listener,
-            router,
+            router.into(),
             options,
             async move {
                 let _ = stop.changed().await;
@@ -248,8 +248,8 @@ pub async fn run_reloadable(
         }
     };
     let drained = match config.server.workers.threads() {
-        Some(n) => workers::serve(listeners.main, n, main_router, options, shutdown).await?,
-        None => front_door::serve::serve(listeners.main, main_router, options, shutdown).await,
+        Some(n) => workers::serve(listeners.main, n, main_routes, options, shutdown).await?,
+        None => front_door::serve::serve(listeners.main, main_routes, options, shutdown).await,
     };
     let _ = stop_tx.send(true);
     if let Some(admin) = admin {

@@ -27,7 +27,6 @@ use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
 
-use axum::Router;
 use serde::{Deserialize, Deserializer};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{oneshot, watch};
@@ -174,14 +173,14 @@ fn sockets_for(first: TcpListener, n: usize) -> std::io::Result<Vec<std::net::Tc
     Ok(sockets)
 }
 
-/// Serve `router` on `listener` with `n` per-core workers until `shutdown`, then let every
+/// Serve `routes` on `listener` with `n` per-core workers until `shutdown`, then let every
 /// worker drain (each within `options.shutdown_timeout`). Returns whether all drained in
 /// time. Dropping the returned future stops the workers too. `max_connections` holds for the
 /// listener as a whole.
 pub async fn serve(
     listener: TcpListener,
     n: usize,
-    router: Router,
+    routes: crate::front_door::Routes,
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<bool> {
@@ -199,7 +198,7 @@ pub async fn serve(
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let (router, slots, mut stop) = (router.clone(), slots.clone(), stop_rx.clone());
+        let (routes, slots, mut stop) = (routes.clone(), slots.clone(), stop_rx.clone());
         let closed_tx = closed_tx.clone();
         std::thread::Builder::new()
             .name(format!("inferlb-worker-{i}"))
@@ -220,7 +219,7 @@ pub async fn serve(
                     let closed = move |open| {
                         let _ = closed_tx.send(open);
                     };
-                    serve::serve_with(listener, router, options, slots, stop, closed).await
+                    serve::serve_with(listener, routes, options, slots, stop, closed).await
                 });
                 // Connections still open past the drain deadline are closed here, with the
                 // runtime.

@@ -426,3 +426,62 @@ async fn ordinary_requests_never_go_to_a_prefill_backend() {
     assert_eq!(status, 503, "{body}");
     router.shutdown().await;
 }
+
+/// The two hot routes are served before the router's tree (`front_door::Routes`): they must
+/// keep the client gate, the query string, the router's generated request id, and leave
+/// every other method on those paths to the router (its 405).
+#[tokio::test]
+async fn hot_routes_keep_the_gate_the_query_and_the_405() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let mut cfg = config(&[&b]);
+    cfg.auth.api_keys = vec!["k1".into()];
+    let router = start_router(cfg).await;
+    until_all_healthy(&router).await;
+    let c = client();
+    let chat = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+    let completion = serde_json::json!({"model": "m", "prompt": "x"});
+    for (path, body) in [
+        ("/v1/chat/completions", &chat),
+        ("/v1/completions", &completion),
+    ] {
+        let no_key = c.post(router.url(path)).json(body).send().await.unwrap();
+        assert_eq!(no_key.status(), 401, "{path} without a key");
+        assert_eq!(no_key.headers()["www-authenticate"], "Bearer");
+        assert_openai_error(&no_key.json().await.unwrap());
+
+        let url = format!("{}?trace=1", router.url(path));
+        let ok = c
+            .post(url)
+            .bearer_auth("k1")
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ok.status(), 200, "{path} with the key");
+        let id = ok.headers()["x-request-id"].to_str().unwrap().to_owned();
+        assert!(
+            id.len() == 32
+                && id
+                    .bytes()
+                    .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()),
+            "generated request id {id:?}"
+        );
+        let seen = b.state.last_headers.lock().unwrap().clone().unwrap();
+        assert_eq!(seen["x-request-id"], id.as_str());
+        assert_eq!(seen["host"], b.addr.to_string());
+        let uri = b.state.last_uri.lock().unwrap().clone();
+        assert_eq!(uri.as_deref(), Some(format!("{path}?trace=1").as_str()));
+
+        for method in [reqwest::Method::GET, reqwest::Method::PUT] {
+            let r = c
+                .request(method.clone(), router.url(path))
+                .bearer_auth("k1")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 405, "{method} {path}");
+            assert_openai_error(&r.json().await.unwrap());
+        }
+    }
+    router.shutdown().await;
+}

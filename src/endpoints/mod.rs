@@ -163,6 +163,10 @@ pub struct Backend {
     pub engine: EngineMetricNames,
     /// `Bearer <key>`, ready to send.
     pub authorization: Option<HeaderValue>,
+    /// The `Host` header of requests to it and its name as the response's backend header,
+    /// made once here instead of per request.
+    pub host_header: HeaderValue,
+    pub name_header: Option<HeaderValue>,
     /// Models fixed by config: discovery is skipped when set.
     pub static_models: bool,
     /// Prefill, decode or both (from its config; see [`BackendRole`]).
@@ -236,6 +240,9 @@ impl Backend {
             })
             .transpose()?;
         let name = format!("{scheme}://{authority}");
+        let host_header = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| ConfigError::invalid(format!("backends[{id}].url"), "not a valid host"))?;
+        let name_header = HeaderValue::from_str(&name).ok();
         Ok(Backend {
             id,
             uid: next_uid(),
@@ -254,6 +261,8 @@ impl Backend {
             connector,
             engine,
             authorization,
+            host_header,
+            name_header,
             static_models: config.models.is_some(),
             role: config.role(),
             state: ArcSwap::from_pointee(BackendState::initial(

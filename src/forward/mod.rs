@@ -132,12 +132,10 @@ impl Forwarder {
         // Origin form on the wire; the backend is named by the Host header.
         let uri = http::Uri::try_from(req.path_and_query.as_str())
             .map_err(|e| Error::InvalidRequest(format!("invalid request path: {e}")))?;
-        let host = HeaderValue::from_str(d.backend.authority.as_str())
-            .map_err(|e| Error::Internal(e.to_string()))?;
         let mut out = Request::builder()
             .method(req.method.clone())
             .uri(uri)
-            .header(http::header::HOST, host)
+            .header(http::header::HOST, d.backend.host_header.clone())
             .body(Full::new(req.body.clone()))
             .map_err(|e| Error::Internal(e.to_string()))?;
         headers::request_headers(
@@ -244,8 +242,8 @@ impl tower::Service<Dispatch> for Forwarder {
             }
             t::handles::upstream_responses(&backend.name, parts.status).increment(1);
             headers::strip_response_headers(&mut parts.headers);
-            if let Ok(v) = HeaderValue::from_str(&backend.name) {
-                parts.headers.insert(this.backend_header.clone(), v);
+            if let Some(v) = &backend.name_header {
+                parts.headers.insert(this.backend_header.clone(), v.clone());
             }
             parts
                 .headers

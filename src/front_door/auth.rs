@@ -223,7 +223,11 @@ impl Auth {
                 classes: self.rules.get(i).copied().flatten(),
             },
             Client::Ip(ip) => Tenant {
-                id: xxhash_rust::xxh3::xxh3_64_with_seed(ip.to_string().as_bytes(), 2),
+                // The address's octets (not its text: no allocation per request).
+                id: match ip {
+                    IpAddr::V4(v4) => xxhash_rust::xxh3::xxh3_64_with_seed(&v4.octets(), 2),
+                    IpAddr::V6(v6) => xxhash_rust::xxh3::xxh3_64_with_seed(&v6.octets(), 2),
+                },
                 classes: None,
             },
         }
@@ -257,9 +261,20 @@ impl Auth {
 /// Middleware for the OpenAI routes.
 pub async fn client_gate(
     State(auth): State<Arc<ArcSwap<Auth>>>,
-    mut req: Request,
+    req: Request,
     next: Next,
 ) -> Response {
+    gate(&auth, req, |req| next.run(req)).await
+}
+
+/// The client gate itself: identify the client (401 without a valid key), tag the request
+/// with its [`Tenant`], apply its rate and concurrency limits (429), then run `inner`. The
+/// middleware above and the front door's hot routes (which bypass the router) both call it.
+pub async fn gate<F, Fut>(auth: &ArcSwap<Auth>, mut req: Request, inner: F) -> Response
+where
+    F: FnOnce(Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+{
     // The keys and limits in effect now (a reload swaps them).
     let auth = auth.load_full();
     let client = match auth.identify(&req) {
@@ -268,7 +283,7 @@ pub async fn client_gate(
     };
     req.extensions_mut().insert(auth.tenant(client));
     if !auth.limits_on() {
-        return next.run(req).await;
+        return inner(req).await;
     }
     let state = auth.state(client);
     if let Err(wait) = auth.take_token(&state) {
@@ -291,7 +306,7 @@ pub async fn client_gate(
         },
         None => None,
     };
-    let response = next.run(req).await;
+    let response = inner(req).await;
     match permit {
         Some(permit) => hold(response, permit),
         None => response,

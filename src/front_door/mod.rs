@@ -109,6 +109,53 @@ pub fn router(state: Arc<AppState>, with_admin: bool) -> Router {
         .with_state(state)
 }
 
+/// What a listener serves. On the OpenAI listener the two hot routes, `POST
+/// /v1/chat/completions` and `POST /v1/completions`, go straight to the proxy through the
+/// same client gate as the router's OpenAI routes, without the router's tree, layers and
+/// extractors; everything else (other methods on those paths included) goes to the router.
+#[derive(Clone)]
+pub struct Routes {
+    router: Router,
+    hot: Option<Arc<AppState>>,
+}
+
+impl From<Router> for Routes {
+    /// A listener served by `router` alone.
+    fn from(router: Router) -> Self {
+        Routes { router, hot: None }
+    }
+}
+
+impl Routes {
+    /// The OpenAI listener: [`router`] with the hot routes taken before it.
+    pub fn openai(state: Arc<AppState>, with_admin: bool) -> Self {
+        Routes {
+            router: router(Arc::clone(&state), with_admin),
+            hot: Some(state),
+        }
+    }
+
+    pub async fn call(&self, req: http::Request<hyper::body::Incoming>) -> Response {
+        if let Some(app) = &self.hot {
+            let operation = match (req.method() == Method::POST, req.uri().path()) {
+                (true, "/v1/chat/completions") => Some(Operation::ChatCompletions),
+                (true, "/v1/completions") => Some(Operation::Completions),
+                _ => None,
+            };
+            if let Some(operation) = operation {
+                let req = req.map(Body::new);
+                let proxied = |req| proxy(Arc::clone(app), operation, req);
+                return auth::gate(&app.auth, req, proxied).await;
+            }
+        }
+        self.router
+            .clone()
+            .oneshot(req)
+            .await
+            .unwrap_or_else(|e| match e {})
+    }
+}
+
 /// Routes of the admin listener.
 pub fn admin_router(state: Arc<AppState>) -> Router {
     admin_routes(&state)
@@ -362,19 +409,40 @@ fn tag(config: &Settings, parts: &mut http::request::Parts, view: &mut RequestVi
 }
 
 /// `.` or `..` path segments, raw or percent-encoded: a backend that normalises them could be
-/// steered to a path outside `/v1/`.
+/// steered to a path outside `/v1/`. Also backslashes and encoded slashes or backslashes.
+/// Allocation-free: it runs on every proxied request.
 fn has_dot_segment(path: &str) -> bool {
-    path.split('/').any(|seg| {
-        let decoded = seg.replace("%2e", ".").replace("%2E", ".");
-        decoded == "." || decoded == ".."
-    }) || path.contains('\\')
-        || path.to_ascii_lowercase().contains("%2f")
-        || path.to_ascii_lowercase().contains("%5c")
+    /// A segment that decodes to one or two dots (`%2e` and `%2E` count as a dot).
+    fn dots_only(mut seg: &[u8]) -> bool {
+        let mut dots = 0;
+        while !seg.is_empty() {
+            if seg[0] == b'.' {
+                seg = &seg[1..];
+            } else if seg.len() >= 3 && seg[0] == b'%' && seg[1] == b'2' && seg[2] | 0x20 == b'e' {
+                seg = &seg[3..];
+            } else {
+                return false;
+            }
+            dots += 1;
+        }
+        dots == 1 || dots == 2
+    }
+    let bytes = path.as_bytes();
+    let encoded_slash = bytes.windows(3).any(|w| {
+        w[0] == b'%'
+            && ((w[1] == b'2' && w[2] | 0x20 == b'f') || (w[1] == b'5' && w[2] | 0x20 == b'c'))
+    });
+    encoded_slash || bytes.contains(&b'\\') || bytes.split(|b| *b == b'/').any(dots_only)
 }
 
 fn new_request_id() -> HeaderValue {
-    let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
-    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut id = [0u8; 32];
+    let n = (u128::from(fastrand::u64(..)) << 64) | u128::from(fastrand::u64(..));
+    for (i, c) in id.iter_mut().enumerate() {
+        *c = HEX[((n >> (124 - 4 * i)) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
 }
 
 /// Read the whole body, refusing early on `Content-Length` and enforcing the limit while reading.

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
-use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -28,8 +27,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tower::ServiceExt;
 
+use super::Routes;
 use crate::config_error::ConfigError;
 use crate::telemetry as t;
 
@@ -48,16 +47,16 @@ pub struct ServeOptions {
 /// hyper's smallest allowed HTTP/1 buffer limit.
 pub const MIN_HEADER_BYTES: usize = 8192;
 
-/// Serve `router` on `listener` until `shutdown`, then drain. Returns whether the drain
+/// Serve `routes` on `listener` until `shutdown`, then drain. Returns whether the drain
 /// finished before its deadline.
 pub async fn serve(
     listener: TcpListener,
-    router: Router,
+    routes: Routes,
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> bool {
     let slots = connection_slots(options.max_connections);
-    serve_with(listener, router, options, slots, shutdown, log_draining).await
+    serve_with(listener, routes, options, slots, shutdown, log_draining).await
 }
 
 /// Announce a drain of `open` connections (the listener is closed by then).
@@ -77,7 +76,7 @@ pub fn connection_slots(max_connections: usize) -> Option<Arc<Semaphore>> {
 /// are open when the listener has been closed on shutdown (before the drain).
 pub async fn serve_with(
     listener: TcpListener,
-    router: Router,
+    routes: Routes,
     options: ServeOptions,
     slots: Option<Arc<Semaphore>>,
     shutdown: impl Future<Output = ()>,
@@ -126,11 +125,11 @@ pub async fn serve_with(
             },
         };
         let _ = stream.set_nodelay(true);
-        let router = router.clone();
+        let routes = routes.clone();
         let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo::<SocketAddr>(peer));
-            let router = router.clone();
-            async move { Ok::<_, Infallible>(router.oneshot(req).await.unwrap_or_else(|e| match e {})) }
+            let routes = routes.clone();
+            async move { Ok::<_, Infallible>(routes.call(req).await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();

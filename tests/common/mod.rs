@@ -57,6 +57,8 @@ pub struct FakeState {
     pub gate: Notify,
     pub hold_streams: std::sync::atomic::AtomicBool,
     pub last_headers: Mutex<Option<HeaderMap>>,
+    /// The path and query of the last completion request.
+    pub last_uri: Mutex<Option<String>>,
     pub last_body: Mutex<Option<Bytes>>,
     /// Every completion body received, in order, published once the body is stored (wait on
     /// it with [`FakeBackend::nth_body`]; `completions` counts a request before its body is
@@ -104,6 +106,7 @@ fn fake_state(name: &str, models: &[&str]) -> Arc<FakeState> {
         gate: Notify::new(),
         hold_streams: false.into(),
         last_headers: Mutex::new(None),
+        last_uri: Mutex::new(None),
         last_body: Mutex::new(None),
         bodies: watch::channel(Vec::new()).0,
         completions: 0.into(),
@@ -302,9 +305,15 @@ async fn kv_sources(State(s): State<Arc<FakeState>>) -> Response {
     }
 }
 
-async fn complete(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn complete(
+    State(s): State<Arc<FakeState>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     s.completions.fetch_add(1, Ordering::Relaxed);
     *s.last_headers.lock().unwrap() = Some(headers);
+    *s.last_uri.lock().unwrap() = uri.path_and_query().map(|pq| pq.to_string());
     let status = s.completion_status.load(Ordering::Relaxed);
     if status != 200 {
         return (
