@@ -565,6 +565,9 @@ fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::
             let warmup = support::chat_body(&system, &chat_text(user_chars, 999));
             let mut v = RequestView::parse(Operation::ChatCompletions, &warmup).unwrap();
             tokenizers.fill(&mut v, &warmup);
+            if mode == "warm" && name == "chat_32k_chars_90_10" {
+                decision_split(g, name, &system, user_chars, &tokenizers, &scheduler);
+            }
             g.bench_function(BenchmarkId::new(format!("{name}_{mode}"), 64), |b| {
                 b.iter_batched(
                     || {
@@ -582,6 +585,131 @@ fn chat_decisions(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::
                 )
             });
         }
+    }
+}
+
+/// The split of one precise decision with new text (#27): each stage timed alone on inputs
+/// made outside the timing, every iteration with a new user message. `parse`: the body into
+/// a view; `tokenize`: chat template and BPE of a parsed view (the tokenizer's prefix cache
+/// warm with the system prompt); `chain_hash`: the token ids' block-hash chain (block size 16,
+/// as the stores here); `decide`: the default profile's decision on a view with its ids, which
+/// is the chain hash plus the index walk over 64 stores plus the rest of the scheduler (the
+/// walk and the rest are `decide` less `chain_hash`).
+fn decision_split(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    system: &str,
+    user_chars: usize,
+    tokenizers: &inferlb::tokenization::Tokenizers,
+    scheduler: &Scheduler,
+) {
+    use criterion::BatchSize::SmallInput;
+    let mut n = 1_000_000u64;
+    let mut body = || {
+        n += 1;
+        support::chat_body(system, &chat_text(user_chars, n))
+    };
+    let filled = |body: Vec<u8>| {
+        let mut view = RequestView::parse(Operation::ChatCompletions, &body).unwrap();
+        tokenizers.fill(&mut view, &body);
+        assert!(view.tokens.is_some());
+        view
+    };
+    g.bench_function(BenchmarkId::new(format!("{name}_split_parse"), 64), |b| {
+        b.iter_batched(
+            &mut body,
+            |body| black_box(RequestView::parse(Operation::ChatCompletions, &body).unwrap()),
+            SmallInput,
+        )
+    });
+    g.bench_function(
+        BenchmarkId::new(format!("{name}_split_tokenize"), 64),
+        |b| {
+            b.iter_batched(
+                || {
+                    let body = body();
+                    let view = RequestView::parse(Operation::ChatCompletions, &body).unwrap();
+                    (body, view)
+                },
+                |(body, mut view)| {
+                    tokenizers.fill(&mut view, &body);
+                    black_box(view)
+                },
+                SmallInput,
+            )
+        },
+    );
+    g.bench_function(
+        BenchmarkId::new(format!("{name}_split_chain_hash"), 64),
+        |b| {
+            b.iter_batched(
+                || filled(body()),
+                |view| {
+                    let ids = &view.tokens.as_ref().unwrap().ids;
+                    let mut out = Vec::with_capacity(ids.len() / 16);
+                    inferlb::kv_events::chain::prompt_chain(
+                        ids,
+                        16,
+                        None,
+                        None,
+                        usize::MAX,
+                        &mut out,
+                    );
+                    black_box(out)
+                },
+                SmallInput,
+            )
+        },
+    );
+    g.bench_function(BenchmarkId::new(format!("{name}_split_decide"), 64), |b| {
+        b.iter_batched(
+            || filled(body()),
+            |view| black_box(decide(scheduler, &view)),
+            SmallInput,
+        )
+    });
+    // Criterion gives means; the target is per decision (p50 and p99): time 2,000
+    // whole decisions one by one, each stage apart, and print the quantiles.
+    let mut stages: [Vec<f64>; 5] = Default::default();
+    for _ in 0..2_000 {
+        let body = body();
+        let t0 = std::time::Instant::now();
+        let mut view = RequestView::parse(Operation::ChatCompletions, &body).unwrap();
+        let t1 = std::time::Instant::now();
+        tokenizers.fill(&mut view, &body);
+        let t2 = std::time::Instant::now();
+        let ids = &view.tokens.as_ref().unwrap().ids;
+        let mut out = Vec::with_capacity(ids.len() / 16);
+        inferlb::kv_events::chain::prompt_chain(ids, 16, None, None, usize::MAX, &mut out);
+        black_box(&out);
+        let t3 = std::time::Instant::now();
+        black_box(decide(scheduler, &view));
+        let t4 = std::time::Instant::now();
+        for (stage, (a, b)) in
+            stages
+                .iter_mut()
+                .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4)])
+        {
+            stage.push(b.duration_since(a).as_secs_f64() * 1e6);
+        }
+    }
+    for (label, mut v) in [
+        "parse",
+        "tokenize",
+        "chain_hash",
+        "decide",
+        "whole (parse + tokenize + decide, chain hash twice)",
+    ]
+    .into_iter()
+    .zip(stages)
+    {
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((v.len() - 1) as f64 * p) as usize];
+        eprintln!(
+            "{name} warm, 64 backends, 2,000 single decisions: {label} p50 {:.1} us, p99 {:.1} us",
+            q(0.5),
+            q(0.99)
+        );
     }
 }
 

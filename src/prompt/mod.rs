@@ -39,20 +39,32 @@ pub use fields::{ParseLimits, MAX_MESSAGES_CEILING};
 
 /// Deepest nesting of arrays and objects in `body`, counting only brackets outside strings.
 /// A linear scan that lets the front door refuse pathological bodies before parsing them.
+/// Inside a string it jumps from one quote or backslash to the next (`memchr2`): prompts are
+/// almost all string bytes.
 pub fn json_depth(body: &[u8]) -> usize {
-    let (mut depth, mut max, mut in_string, mut escaped) = (0usize, 0usize, false, false);
-    for &b in body {
-        if in_string {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
+    let (mut depth, mut max, mut i) = (0usize, 0usize, 0usize);
+    while let Some(&b) = body.get(i) {
+        i += 1;
         match b {
-            b'"' => in_string = true,
+            b'"' => loop {
+                // The string's end: the next quote not escaped by a backslash.
+                let Some(rest) = body.get(i..) else {
+                    return max;
+                };
+                match memchr::memchr2(b'"', b'\\', rest) {
+                    None => return max,
+                    Some(at) => {
+                        let found = rest[at];
+                        // Past the quote, or past the backslash and the byte it escapes.
+                        i = i
+                            .saturating_add(at)
+                            .saturating_add(if found == b'"' { 1 } else { 2 });
+                        if found == b'"' {
+                            break;
+                        }
+                    }
+                }
+            },
             b'[' | b'{' => {
                 depth += 1;
                 max = max.max(depth);

@@ -358,6 +358,53 @@ fn json_depth_counts_outside_strings() {
     assert_eq!(json_depth(br#"{"a":"\"[[["}"#), 1);
     assert_eq!(json_depth(b"plain"), 0);
     assert_eq!(json_depth(&b"[".repeat(1000)), 1000);
+    // An escaped backslash ends right before the closing quote; brackets after it count.
+    assert_eq!(json_depth(br#"{"a":"x\\","b":[[1]]}"#), 3);
+    assert_eq!(json_depth(br#"{"a":"[[["#), 1, "unterminated string");
+    assert_eq!(json_depth(b"{\"a\":\"\\"), 1, "ends on a backslash");
+}
+
+/// The skipping scan agrees with a byte-by-byte one on random mixes of the bytes that matter.
+#[test]
+fn json_depth_matches_a_byte_by_byte_scan() {
+    fn reference(body: &[u8]) -> usize {
+        let (mut depth, mut max, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+        for &b in body {
+            if in_string {
+                match b {
+                    _ if escaped => escaped = false,
+                    b'\\' => escaped = true,
+                    b'"' => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' => {
+                    depth += 1;
+                    max = max.max(depth);
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        max
+    }
+    let alphabet = b"[]{}\"\\ax";
+    let mut rng = fastrand::Rng::with_seed(27);
+    for _ in 0..20_000 {
+        let len = rng.usize(0..40);
+        let body: Vec<u8> = (0..len)
+            .map(|_| alphabet[rng.usize(..alphabet.len())])
+            .collect();
+        assert_eq!(
+            json_depth(&body),
+            reference(&body),
+            "{:?}",
+            String::from_utf8_lossy(&body)
+        );
+    }
 }
 
 #[test]
