@@ -53,6 +53,7 @@ pub const QUEUED_BY_CLASS: &str = "inferlb_requests_queued_by_class";
 pub const QUEUE_SHED: &str = "inferlb_queue_shed_total";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 pub const PREFIX_REPLICAS: &str = "inferlb_prefix_replicas_total";
+pub const PREFIX_OVERFLOWS: &str = "inferlb_prefix_overflows_total";
 pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 pub const KV_STREAMS: &str = "inferlb_kv_event_streams";
 pub const KV_EVENT_MESSAGES: &str = "inferlb_kv_event_messages_total";
@@ -101,6 +102,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (PREFIX_INDEX_BLOCKS, "Prompt blocks held in the prefix index, over all backends."),
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
     (PREFIX_REPLICAS, "Requests sent to a backend as a new replica of their hot prefix (prefix-cache-scorer replicate_share)."),
+    (PREFIX_OVERFLOWS, "Requests sent to a backend holding part of their prefix because every backend holding more was over its load bound (prefix-cache-scorer replicate_overload)."),
     (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
     (KV_STREAMS, "Member backends by KV-event stream status (off, live, unsure, silent); only live streams are used for precise prefix scoring."),
     (KV_EVENT_MESSAGES, "KV-event messages applied (live and replayed), over all backends."),

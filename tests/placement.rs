@@ -167,3 +167,47 @@ async fn a_hot_prefix_whose_holder_takes_all_the_traffic_gets_a_second_holder() 
     assert_eq!(served.len(), 1, "one holder: {served:?}");
     assert_eq!(replicas, 0.0);
 }
+
+/// Forty requests cycling through four prompts that share one long prefix (each with its own
+/// tail, each repeated) on two idle backends, replication on: how many each backend served,
+/// and the requests sent to a copy because the holders were over their load bound.
+async fn four_tails_of_one_prefix(
+    parameters: &str,
+) -> (std::collections::BTreeMap<String, usize>, f64) {
+    let (_fakes, router) = two_backends(parameters).await;
+    let overflows = || async {
+        common::metrics_text(&router)
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix("inferlb_prefix_overflows_total "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let before = overflows().await;
+    let shared = text('H', 2_000);
+    let mut served = std::collections::BTreeMap::new();
+    for i in 0..40 {
+        let tail = text(char::from(b'a' + (i % 4) as u8), 300);
+        *served
+            .entry(send(&router, &format!("{shared}{tail}")).await)
+            .or_insert(0) += 1;
+    }
+    let added = overflows().await - before;
+    router.shutdown().await;
+    (served, added)
+}
+
+#[tokio::test]
+async fn a_copy_of_the_prefix_takes_requests_while_every_full_holder_is_over_its_bound() {
+    // The prefix is replicated once; each prompt is held whole only where it went first, so
+    // without the bound its requests keep going there (the copy holds it all but the tail) and
+    // the first holder carries most of the traffic. With it, a holder more than 10 % over the
+    // fair share yields its requests to the copy.
+    let (served, overflows) = four_tails_of_one_prefix("replicate_share = 0.5").await;
+    assert_eq!(served.len(), 2, "{served:?}");
+    let busiest = served.values().copied().max().unwrap();
+    assert!(busiest <= 28, "busiest served {busiest} of 40: {served:?}");
+    assert!(
+        overflows >= 1.0,
+        "inferlb_prefix_overflows_total {overflows}"
+    );
+}

@@ -57,33 +57,53 @@
 //!   the hit-rate bound);
 //! * **hot-prefix replication**, which balances with the hot prefix itself instead of with
 //!   the cold ones: a prefix that alone brings its holder more than its share is given a
-//!   second holder, which costs one prefill of it and splits its traffic.
+//!   second holder, which costs one prefill of it, and its traffic is split by a load bound
+//!   (below).
 //!
-//! # Hot-prefix replication
+//! # Hot-prefix replication and bounded load
 //!
 //! Each pick adds the prompt's tokens to a per-prefix traffic count ([`hot`]: the routing
 //! text's chain hash at depths 1, 2, 4, …, one-minute half-life, a fixed-size count-min
-//! table). A decision reads the count `r` at a recorded depth past every block the other
-//! candidates hold (the part a new copy would add; a system prompt held everywhere names no
-//! one prefix) and, where one is, within the first half of the longest match (the part a new
-//! copy shares with the prompts that follow); with none past them, nothing is replicated.
-//! Prompts are counted in estimated tokens, as the backends' recent work is. With `H` the
-//! candidates holding the best match (`h` of them), `work` as above, `fair` the candidates'
-//! mean work and `P` this prompt's tokens, when
+//! table). Prompts are counted in estimated tokens, as the backends' recent work is. With
+//! `work_i` as above, `fair` the candidates' mean work, `P` this prompt's tokens and
 //!
 //! ```text
-//! r ≥ replicate_min_prompts · P                      the prefix has brought traffic lately
-//! r ≥ replicate_share · fair · h                     more than a share of a backend's each
-//! work_i ≥ (1 + replicate_overload) · fair  ∀ i ∈ H  and every holder carries too much
+//! bound = (1 + replicate_overload) · fair
 //! ```
 //!
-//! the candidate outside `H` with the least work is this decision's replica: it is scored as
-//! holding what the best holder holds (this scorer ranks it with the holders' best, and the
-//! `prefill-cost-scorer` prices it the same), while the prefill it is charged and P/D's view
-//! of its cached tokens stay what it really holds ([`Held::cached_tokens`]). Once it has
-//! served the prefix it is a holder like the first, and the prefix's traffic splits between
-//! them by load. `replicate_share = 0` (the default) turns replication off;
-//! `inferlb_prefix_replicas_total` counts the requests sent to a replica.
+//! the *holders* are the candidates holding the most of the prompt and the prefix's *group*
+//! adds every candidate holding at least half of that (a copy of the prefix with another
+//! tail: the same system prompt followed by another question or another conversation). When
+//! a holder is within the bound nothing changes. When every holder is over it:
+//!
+//! * **bounded load**: the group member within the bound with the least work takes the
+//!   request (once `fair ≥ replicate_min_prompts · P`, so a near-idle fleet's noise moves
+//!   nothing). It pays only the tail it lacks, and every holder keeps its prefix. Without this
+//!   rule a replicated prefix kept most of its traffic on its first holder whenever its
+//!   prompts repeat (each held whole only there; two real vLLM servers, Zipf: 61 % of the
+//!   prompt tokens on one server after replication against 53 % with it, same seed);
+//! * **replication**, when no group member is within the bound: the prefix's recent traffic
+//!   `r` is read at a recorded depth past every block the candidates outside the group hold
+//!   (the part a new copy adds: a system prompt held everywhere names no one prefix) and,
+//!   where one is, within the first half of the longest match (the part a new copy shares
+//!   with the prompts that follow); with none past them nothing is replicated. With `g` the
+//!   group's size, when
+//!
+//!   ```text
+//!   r ≥ replicate_min_prompts · P           the prefix has brought traffic lately
+//!   r ≥ replicate_share · fair · g          more than a share of a backend's each
+//!   ```
+//!
+//!   the candidate outside the group with the least work, if it is within the bound,
+//!   becomes a replica.
+//!
+//! The candidate named (copy or replica) is scored as holding what the best holder holds:
+//! this scorer ranks it with the holders' best, the holders over their bound a hundredth
+//! below it when it is a copy, and the `prefill-cost-scorer` prices it the same; the prefill
+//! it is charged and P/D's view of its cached tokens stay what it really holds
+//! ([`Held::cached_tokens`]). `replicate_share = 0` (the default) turns both rules off;
+//! `inferlb_prefix_replicas_total` counts the requests sent to a new replica,
+//! `inferlb_prefix_overflows_total` those sent to a copy by the bound.
 //!
 //! After the pick, the chosen backend's LRU records the prompt's blocks. Each backend's LRU holds at most
 //! `capacity` blocks: a number, or `"auto"` = `num_gpu_blocks × block_size` tokens (from
@@ -242,7 +262,11 @@ pub struct Held {
     /// This backend is the hot prefix's new replica: `blocks` and `tokens` are the holders'
     /// (what it will hold once it has served the request), `cached` what it holds now.
     pub replica: bool,
-    /// The tokens it holds now when `replica` (unused otherwise: read
+    /// This backend holds part of the prefix (at least half of what its holders hold) and
+    /// takes the request because every holder is over its load bound: `blocks` and `tokens`
+    /// are the holders', `cached` what it holds now.
+    pub overflow: bool,
+    /// The tokens it holds now when `replica` or `overflow` (unused otherwise: read
     /// [`Held::cached_tokens`]).
     pub cached: f64,
 }
@@ -259,7 +283,7 @@ impl Held {
 
     /// Prompt tokens this backend holds now: what its prefill is spared.
     pub fn cached_tokens(&self) -> f64 {
-        if self.replica {
+        if self.replica || self.overflow {
             self.cached
         } else {
             self.tokens
@@ -567,10 +591,11 @@ impl PrefixCacheScorer {
         );
     }
 
-    /// Hot-prefix replication (see the module doc): when the prefix the best candidates hold
-    /// brings them more than they should carry, name one more backend its holder for this
-    /// decision, so the prefix is cached twice and its traffic splits. `longest` is the most
-    /// blocks of `hashes` any candidate holds in the approximate index (the prefix's name).
+    /// Hot-prefix replication and bounded load (see the module doc): when every candidate
+    /// holding the most of the prompt carries more than its bound, name another its holder for
+    /// this decision: one holding part of the prefix within the bound (`overflow`), else, if
+    /// the prefix is hot, a new replica. `matched` are the approximate index's blocks of
+    /// `hashes` per candidate (the prefix's name).
     fn replicate(
         &self,
         request: &RequestView,
@@ -598,51 +623,79 @@ impl PrefixCacheScorer {
             .map(|c| c.backend.work().recent_tokens(now))
             .collect();
         let fair = work.iter().sum::<f64>() / candidates.len() as f64;
+        if !(fair > 0.0 && fair.is_finite()) {
+            return;
+        }
+        let bound = (1.0 + p.replicate_overload) * fair;
         let prompt = request.estimated_prompt_tokens() as f64;
-        // The prefix whose traffic counts: a recorded depth past what every other candidate
-        // holds (the part a new copy adds: a system prompt held everywhere says nothing), at
-        // most half the longest match where it can be (a repeated prompt's own blocks would
-        // name only itself, not its group).
+        // The prefix's holders hold the most of the prompt; its group adds every candidate
+        // holding at least half of that (a copy of the prefix with another tail).
+        let full = |h: &Held| h.ratio() >= best;
+        let in_group = |h: &Held| h.ratio() > 0.0 && h.ratio() * 2.0 >= best;
+        // A holder within the bound takes the request: nothing to do.
+        if held.iter().zip(&work).any(|(h, w)| full(h) && *w < bound) {
+            return;
+        }
+        let Some(holder) = held.iter().position(full) else {
+            return;
+        };
+        // Bounded load: every holder is over it, a copy within it serves the request and
+        // pays only the tail it lacks (once the fleet has carried a few prompts each).
+        let least = |keep: &dyn Fn(usize) -> bool| -> Option<usize> {
+            let mut pick: Option<usize> = None;
+            for i in (0..held.len()).filter(|i| keep(*i)) {
+                if pick
+                    .is_none_or(|t| work[i] < work[t] || (work[i] == work[t] && fastrand::bool()))
+                {
+                    pick = Some(i);
+                }
+            }
+            pick
+        };
+        let copy = least(&|i| in_group(&held[i]) && !full(&held[i]) && work[i] < bound);
+        if let Some(copy) = copy {
+            if fair >= p.replicate_min_prompts * prompt {
+                Self::grant(held, holder, copy, true);
+            }
+            return;
+        }
+        // A new copy: where the prefix's group carries too much, the prefix is hot, and a
+        // candidate outside the group is within the bound. The prefix whose traffic counts: a
+        // recorded depth past what every candidate outside the group holds (the part a new
+        // copy adds: a system prompt held everywhere says nothing), at most half the longest
+        // match where it can be (a repeated prompt's own blocks would name only itself, not
+        // its group).
         let elsewhere = matched
             .iter()
-            .copied()
-            .filter(|m| *m < longest)
+            .zip(held.iter())
+            .filter(|(m, h)| !in_group(h) && **m < longest)
+            .map(|(m, _)| *m)
             .max()
             .unwrap_or(0);
         let Some(depth) = traffic_depth(elsewhere, longest) else {
             return;
         };
         let traffic = self.traffic.recent(hashes, depth, now);
-        let mut holders = 0usize;
-        let mut holder = None;
-        let mut target: Option<usize> = None;
-        for (i, h) in held.iter().enumerate() {
-            if h.ratio() >= best {
-                holders += 1;
-                // Every holder must be over its share: one that is not can take the traffic.
-                if work[i] < (1.0 + p.replicate_overload) * fair {
-                    return;
-                }
-                holder.get_or_insert(i);
-            } else if target
-                .is_none_or(|t| work[i] < work[t] || (work[i] == work[t] && fastrand::bool()))
-            {
-                target = Some(i);
-            }
-        }
-        let (Some(holder), Some(target)) = (holder, target) else {
+        let members = held.iter().filter(|h| in_group(h)).count();
+        let Some(target) = least(&|i| !in_group(&held[i]) && work[i] < bound) else {
             return;
         };
-        if !(fair > 0.0
-            && traffic >= p.replicate_min_prompts * prompt
-            && traffic >= p.replicate_share * fair * holders as f64)
+        if traffic >= p.replicate_min_prompts * prompt
+            && traffic >= p.replicate_share * fair * members as f64
         {
-            return;
+            Self::grant(held, holder, target, false);
         }
+    }
+
+    /// Score `to` as holding what `holder` holds for this decision (it keeps what it holds now
+    /// as the tokens it is spared): a new replica, or a copy taking an over-bound holder's
+    /// request (`overflow`).
+    fn grant(held: &mut [Held], holder: usize, to: usize, overflow: bool) {
         let granted = held[holder];
-        let now_held = held[target];
-        held[target] = Held {
-            replica: true,
+        let now_held = held[to];
+        held[to] = Held {
+            replica: !overflow,
+            overflow,
             cached: now_held.tokens,
             recalled: now_held.recalled,
             ..granted
@@ -715,6 +768,9 @@ fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
         .find(|d| *d > elsewhere)
 }
 
+/// How much less the holders over their load bound score than the copy taking their request.
+const OVERFLOW_YIELD: f64 = 0.01;
+
 /// Was the request's prefix held nowhere when it was last scored (a new prefix placed)? A
 /// replica is only ever named beside a holder, so a decision with one is never new.
 fn is_new_prefix(scratch: &Scratch) -> bool {
@@ -753,13 +809,19 @@ impl Plugin for PrefixCacheScorer {
         let mut new_prefix = false;
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
             new_prefix = is_new_prefix(scratch);
-            let replica = scratch
+            let picked = scratch
                 .matched
                 .iter()
                 .zip(&scratch.held)
-                .any(|((id, _), h)| *id == backend.id && h.replica);
-            if replica {
-                metrics::counter!(t::PREFIX_REPLICAS).increment(1);
+                .find(|((id, _), _)| *id == backend.id)
+                .map(|(_, h)| *h);
+            if let Some(h) = picked {
+                if h.replica {
+                    metrics::counter!(t::PREFIX_REPLICAS).increment(1);
+                }
+                if h.overflow {
+                    metrics::counter!(t::PREFIX_OVERFLOWS).increment(1);
+                }
             }
             if let Some((_, chain, held)) =
                 scratch.precise.iter().find(|(id, _, _)| *id == backend.id)
@@ -882,13 +944,19 @@ impl Scorer for PrefixCacheScorer {
                     *slot = (*slot + spread * room).min(1.0);
                 }
             }
-            // A hot prefix's new replica ranks with the holders' best, whatever room they
-            // had: it is the holder this decision adds.
-            if held.iter().any(|h| h.replica) {
+            // A hot prefix's new replica, or the copy taking an over-bound holder's request,
+            // ranks with the holders' best, whatever room they had: it is the holder this
+            // decision adds.
+            if held.iter().any(|h| h.replica || h.overflow) {
                 let top = scores.iter().copied().fold(0.0, f64::max);
+                let overflow = held.iter().any(|h| h.overflow);
                 for (slot, h) in scores.iter_mut().zip(held.iter()) {
-                    if h.replica {
+                    if h.replica || h.overflow {
                         *slot = top;
+                    } else if overflow && *slot >= top {
+                        // The holders over their bound yield a tie to the copy (a real
+                        // difference in the other scorers still decides).
+                        *slot = top - OVERFLOW_YIELD;
                     }
                 }
             }

@@ -442,3 +442,47 @@ fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
     let mut state = CycleState::default();
     assert!(!s.held(&one, &mut state, &c)[1].replica);
 }
+
+#[test]
+fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
+    let (b, s) = setup(
+        2,
+        "block_size = 4\ncapacity = 1000\nroom_weight = 0\nreplicate_share = 0.5",
+    );
+    let c = candidates(&b);
+    // One system prompt, two questions: the first held whole on backend 0, the second on 1.
+    let first = view("ssssssssssssssssssssssssssssssssaaaaaaaa");
+    let second = view("ssssssssssssssssssssssssssssssssbbbbbbbb");
+    // Each prompt is 10 estimated tokens: 30 sent to each backend, both within the bound.
+    for _ in 0..3 {
+        send(&s, &first, &c, &b[0]);
+        send(&s, &second, &c, &b[1]);
+    }
+    let held = |v: &RequestView| {
+        let mut state = CycleState::default();
+        s.held(v, &mut state, &c).into_owned()
+    };
+    let h = held(&first);
+    assert!(!h[1].overflow && !h[1].replica, "{h:?}");
+    // Backend 0 at 60 against 30: over the bound, 1.1 × 45. Backend 1, which holds the system
+    // prompt, is offered as the prompt's holder and wins the tie…
+    for _ in 0..3 {
+        send(&s, &first, &c, &b[0]);
+    }
+    let h = held(&first);
+    assert!(h[1].overflow && !h[1].replica, "{h:?}");
+    assert_eq!((h[1].blocks, h[1].tokens), (h[0].blocks, h[0].tokens));
+    assert_eq!(
+        h[1].cached_tokens(),
+        8.0,
+        "it holds the system prompt's 8 blocks of 4 characters, 8 tokens: {h:?}"
+    );
+    let (scores, _) = score(&s, &first, &c);
+    assert!(scores[1] > scores[0], "{scores:?}");
+    // …until it carries as much: both within the bound, the whole prompt's holder again.
+    for _ in 0..4 {
+        send(&s, &second, &c, &b[1]);
+    }
+    let h = held(&first);
+    assert!(!h[1].overflow, "{h:?}");
+}
