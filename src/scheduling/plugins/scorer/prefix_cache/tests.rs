@@ -385,12 +385,18 @@ fn send(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>], backend: &B
         .note_sent(s.prompt_tokens(v).ceil() as u64, now_ms());
 }
 
+/// Small blocks, no room term, replication and the load bound on.
+const REPLICATING: &str = "block_size = 4\ncapacity = 1000\nroom_weight = 0\nreplicate_share = 0.5";
+
+/// What each candidate holds of `v`, asked in a decision of its own.
+fn held_fresh(s: &PrefixCacheScorer, v: &RequestView, c: &[Candidate<'_>]) -> Vec<Held> {
+    let mut state = CycleState::default();
+    s.held(v, &mut state, c).into_owned()
+}
+
 #[test]
 fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
-    let (b, s) = setup(
-        2,
-        "block_size = 4\ncapacity = 1000\nroom_weight = 0\nreplicate_share = 0.5",
-    );
+    let (b, s) = setup(2, REPLICATING);
     let c = candidates(&b);
     let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
     let cold = view("cccccccccccccccccccccccccccccccczzzz");
@@ -398,10 +404,7 @@ fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
     for _ in 0..3 {
         send(&s, &hot, &c, &b[0]);
     }
-    let held = |v: &RequestView| {
-        let mut state = CycleState::default();
-        s.held(v, &mut state, &c).into_owned()
-    };
+    let held = |v: &RequestView| held_fresh(&s, v, &c);
     assert!(!held(&hot)[1].replica);
     send(&s, &hot, &c, &b[0]);
     // Four: backend 0 took all the traffic, the prefix alone is more than half a fair share.
@@ -445,10 +448,7 @@ fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
 
 #[test]
 fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
-    let (b, s) = setup(
-        2,
-        "block_size = 4\ncapacity = 1000\nroom_weight = 0\nreplicate_share = 0.5",
-    );
+    let (b, s) = setup(2, REPLICATING);
     let c = candidates(&b);
     // One system prompt, two questions: the first held whole on backend 0, the second on 1.
     let first = view("ssssssssssssssssssssssssssssssssaaaaaaaa");
@@ -458,10 +458,7 @@ fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
         send(&s, &first, &c, &b[0]);
         send(&s, &second, &c, &b[1]);
     }
-    let held = |v: &RequestView| {
-        let mut state = CycleState::default();
-        s.held(v, &mut state, &c).into_owned()
-    };
+    let held = |v: &RequestView| held_fresh(&s, v, &c);
     let h = held(&first);
     assert!(!h[1].overflow && !h[1].replica, "{h:?}");
     // Backend 0 at 60 against 30: over the bound, 1.1 × 45. Backend 1, which holds the system
