@@ -259,14 +259,10 @@ pub struct Held {
     /// The approximate index's ratio for this backend (blocks the router recorded sending it,
     /// consecutive from the start, ÷ the prompt's blocks), whatever the source above.
     pub recalled: f64,
-    /// This backend is the hot prefix's new replica: `blocks` and `tokens` are the holders'
-    /// (what it will hold once it has served the request), `cached` what it holds now.
-    pub replica: bool,
-    /// This backend holds part of the prefix (at least half of what its holders hold) and
-    /// takes the request because every holder is over its load bound: `blocks` and `tokens`
-    /// are the holders', `cached` what it holds now.
-    pub overflow: bool,
-    /// The tokens it holds now when `replica` or `overflow` (unused otherwise: read
+    /// This decision names this backend a holder of what the best holder holds (see
+    /// [`Grant`]): `blocks` and `tokens` are the holders', `cached` what it holds now.
+    pub granted: Option<Grant>,
+    /// The tokens it holds now when `granted` (unused otherwise: read
     /// [`Held::cached_tokens`]).
     pub cached: f64,
 }
@@ -283,12 +279,22 @@ impl Held {
 
     /// Prompt tokens this backend holds now: what its prefill is spared.
     pub fn cached_tokens(&self) -> f64 {
-        if self.replica || self.overflow {
+        if self.granted.is_some() {
             self.cached
         } else {
             self.tokens
         }
     }
+}
+
+/// Why a decision scores a backend as holding what the prompt's best holder holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grant {
+    /// It becomes the hot prefix's new replica.
+    Replica,
+    /// It holds part of the prefix (at least half of what the holders hold) and takes the
+    /// request because every holder is over its load bound.
+    Overflow,
 }
 
 /// Data kept for one request, across all of its decisions.
@@ -655,7 +661,7 @@ impl PrefixCacheScorer {
         let copy = least(&|i| in_group(&held[i]) && !full(&held[i]) && work[i] < bound);
         if let Some(copy) = copy {
             if fair >= p.replicate_min_prompts * prompt {
-                Self::grant(held, holder, copy, true);
+                Self::grant(held, holder, copy, Grant::Overflow);
             }
             return;
         }
@@ -683,22 +689,20 @@ impl PrefixCacheScorer {
         if traffic >= p.replicate_min_prompts * prompt
             && traffic >= p.replicate_share * fair * members as f64
         {
-            Self::grant(held, holder, target, false);
+            Self::grant(held, holder, target, Grant::Replica);
         }
     }
 
     /// Score `to` as holding what `holder` holds for this decision (it keeps what it holds now
-    /// as the tokens it is spared): a new replica, or a copy taking an over-bound holder's
-    /// request (`overflow`).
-    fn grant(held: &mut [Held], holder: usize, to: usize, overflow: bool) {
-        let granted = held[holder];
+    /// as the tokens it is spared).
+    fn grant(held: &mut [Held], holder: usize, to: usize, why: Grant) {
+        let holds = held[holder];
         let now_held = held[to];
         held[to] = Held {
-            replica: !overflow,
-            overflow,
+            granted: Some(why),
             cached: now_held.tokens,
             recalled: now_held.recalled,
-            ..granted
+            ..holds
         };
     }
 
@@ -815,13 +819,10 @@ impl Plugin for PrefixCacheScorer {
                 .zip(&scratch.held)
                 .find(|((id, _), _)| *id == backend.id)
                 .map(|(_, h)| *h);
-            if let Some(h) = picked {
-                if h.replica {
-                    metrics::counter!(t::PREFIX_REPLICAS).increment(1);
-                }
-                if h.overflow {
-                    metrics::counter!(t::PREFIX_OVERFLOWS).increment(1);
-                }
+            match picked.and_then(|h| h.granted) {
+                Some(Grant::Replica) => metrics::counter!(t::PREFIX_REPLICAS).increment(1),
+                Some(Grant::Overflow) => metrics::counter!(t::PREFIX_OVERFLOWS).increment(1),
+                None => {}
             }
             if let Some((_, chain, held)) =
                 scratch.precise.iter().find(|(id, _, _)| *id == backend.id)
@@ -947,11 +948,11 @@ impl Scorer for PrefixCacheScorer {
             // A hot prefix's new replica, or the copy taking an over-bound holder's request,
             // ranks with the holders' best, whatever room they had: it is the holder this
             // decision adds.
-            if held.iter().any(|h| h.replica || h.overflow) {
+            if held.iter().any(|h| h.granted.is_some()) {
                 let top = scores.iter().copied().fold(0.0, f64::max);
-                let overflow = held.iter().any(|h| h.overflow);
+                let overflow = held.iter().any(|h| h.granted == Some(Grant::Overflow));
                 for (slot, h) in scores.iter_mut().zip(held.iter()) {
-                    if h.replica || h.overflow {
+                    if h.granted.is_some() {
                         *slot = top;
                     } else if overflow && *slot >= top {
                         // The holders over their bound yield a tie to the copy (a real

@@ -405,11 +405,11 @@ fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
         send(&s, &hot, &c, &b[0]);
     }
     let held = |v: &RequestView| held_fresh(&s, v, &c);
-    assert!(!held(&hot)[1].replica);
+    assert_ne!(held(&hot)[1].granted, Some(Grant::Replica));
     send(&s, &hot, &c, &b[0]);
     // Four: backend 0 took all the traffic, the prefix alone is more than half a fair share.
     let h = held(&hot);
-    assert!(h[1].replica, "{h:?}");
+    assert_eq!(h[1].granted, Some(Grant::Replica), "{h:?}");
     assert_eq!((h[1].blocks, h[1].tokens), (h[0].blocks, h[0].tokens));
     assert_eq!(h[1].cached_tokens(), 0.0);
     let (scores, _) = score(&s, &hot, &c);
@@ -418,7 +418,7 @@ fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
     for _ in 0..6 {
         send(&s, &cold, &c, &b[1]);
     }
-    assert!(!held(&hot)[1].replica);
+    assert_ne!(held(&hot)[1].granted, Some(Grant::Replica));
 }
 
 #[test]
@@ -430,7 +430,10 @@ fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
         send(&s, &hot, &c, &b[0]);
     }
     let mut state = CycleState::default();
-    assert!(!s.held(&hot, &mut state, &c)[1].replica);
+    assert_ne!(
+        s.held(&hot, &mut state, &c)[1].granted,
+        Some(Grant::Replica)
+    );
     // With replication on, a prefix bringing a small part of the holder's traffic stays put.
     let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nreplicate_share = 0.5");
     let c = candidates(&b);
@@ -443,7 +446,10 @@ fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
         send(&s, &one, &c, &b[0]);
     }
     let mut state = CycleState::default();
-    assert!(!s.held(&one, &mut state, &c)[1].replica);
+    assert_ne!(
+        s.held(&one, &mut state, &c)[1].granted,
+        Some(Grant::Replica)
+    );
 }
 
 #[test]
@@ -460,14 +466,14 @@ fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
     }
     let held = |v: &RequestView| held_fresh(&s, v, &c);
     let h = held(&first);
-    assert!(!h[1].overflow && !h[1].replica, "{h:?}");
+    assert_eq!(h[1].granted, None, "{h:?}");
     // Backend 0 at 60 against 30: over the bound, 1.1 × 45. Backend 1, which holds the system
     // prompt, is offered as the prompt's holder and wins the tie…
     for _ in 0..3 {
         send(&s, &first, &c, &b[0]);
     }
     let h = held(&first);
-    assert!(h[1].overflow && !h[1].replica, "{h:?}");
+    assert_eq!(h[1].granted, Some(Grant::Overflow), "{h:?}");
     assert_eq!((h[1].blocks, h[1].tokens), (h[0].blocks, h[0].tokens));
     assert_eq!(
         h[1].cached_tokens(),
@@ -481,5 +487,5 @@ fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
         send(&s, &second, &c, &b[1]);
     }
     let h = held(&first);
-    assert!(!h[1].overflow, "{h:?}");
+    assert_ne!(h[1].granted, Some(Grant::Overflow), "{h:?}");
 }
