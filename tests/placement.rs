@@ -16,15 +16,6 @@ async fn send(router: &TestRouter, content: &str) -> String {
     backend.unwrap()
 }
 
-/// The value of an unlabelled counter on the router's /metrics page (0 before its first count).
-async fn counter(router: &TestRouter, name: &str) -> f64 {
-    common::metrics_text(router)
-        .await
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
-}
-
 /// Text of `chars` characters that shares no leading block with other seeds' text.
 fn text(seed: char, chars: usize) -> String {
     let mut s = String::with_capacity(chars);
@@ -146,7 +137,7 @@ async fn new_prefixes_count_ahead_of_their_traffic() {
 async fn hot_prefix(replicate_share: f64) -> (std::collections::BTreeSet<String>, f64) {
     let (_fakes, router) = two_backends(&format!("replicate_share = {replicate_share:?}")).await;
     // The metrics registry is the process's: count what this router adds.
-    let replicas = || counter(&router, "inferlb_prefix_replicas_total");
+    let replicas = || common::sample(&router, "inferlb_prefix_replicas_total");
     let before = replicas().await;
     let mut served = std::collections::BTreeSet::new();
     for _ in 0..20 {
@@ -178,7 +169,7 @@ async fn four_tails_of_one_prefix(
     parameters: &str,
 ) -> (std::collections::BTreeMap<String, usize>, f64) {
     let (_fakes, router) = two_backends(parameters).await;
-    let overflows = || counter(&router, "inferlb_prefix_overflows_total");
+    let overflows = || common::sample(&router, "inferlb_prefix_overflows_total");
     let before = overflows().await;
     let shared = text('H', 2_000);
     let mut served = std::collections::BTreeMap::new();

@@ -634,10 +634,20 @@ pub async fn until_any_unhealthy(router: &TestRouter) {
 
 /// The sample `name{label="value"}` on the router's `/metrics` (0 when absent).
 pub async fn labelled_sample(router: &TestRouter, name: &str, label: &str, value: &str) -> f64 {
-    let text = metrics_text(router).await;
-    let want = format!("{name}{{{label}=\"{value}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(want.as_str()))
+    sample_of(router, &format!("{name}{{{label}=\"{value}\"}}")).await
+}
+
+/// The unlabelled sample `name` on the router's `/metrics` (0 when absent).
+pub async fn sample(router: &TestRouter, name: &str) -> f64 {
+    sample_of(router, name).await
+}
+
+/// The value on the `/metrics` line that starts with `series` and a space (0 when absent).
+async fn sample_of(router: &TestRouter, series: &str) -> f64 {
+    metrics_text(router)
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
