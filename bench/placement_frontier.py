@@ -16,37 +16,26 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_vllm_bound import BLOCK, tokenize  # noqa: E402
+from real_vllm_bound import BLOCK, block_chains, cached_tokens, tokenize  # noqa: E402
 
 
 def main():
     path = sys.argv[1]
     url = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:18100"
     cap = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    groups, items = {}, []
+    groups, items, names = {}, [], {}
     for line in open(path):
         messages = json.loads(line)["messages"]
         ids = tokenize(url, "tiny-llama", messages)
         g = groups.setdefault(messages[0]["content"], len(groups))
-        chain, h = [], 0
-        for b in range(len(ids) // BLOCK):
-            h = hash((h, tuple(ids[b * BLOCK:(b + 1) * BLOCK])))
-            chain.append(h)
+        # each chain named by a small int, so the caches below hash ints, not token tuples
+        chain = [names.setdefault(c, len(names)) for c in block_chains(ids)]
         items.append((g, len(ids), chain))
     total = sum(n for _, n, _ in items)
 
-    def hits(cached, n, chain):
-        # leading full blocks already cached, never the prompt's last token
-        out = 0
-        for i, h in enumerate(chain):
-            if h not in cached or (i + 1) * BLOCK > n - 1:
-                break
-            out += BLOCK
-        return out
-
     seen, bound = set(), 0
     for _, n, chain in items:
-        bound += hits(seen, n, chain)
+        bound += cached_tokens(n, chain, seen)
         seen.update(chain)
 
     def run(assign):
@@ -56,7 +45,7 @@ def main():
             s = assign[g]
             cache = caches[s]
             tokens[s] += n
-            hit += hits(cache, n, chain)
+            hit += cached_tokens(n, chain, cache)
             for h in chain:
                 cache[h] = None
                 cache.move_to_end(h)

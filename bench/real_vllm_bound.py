@@ -42,6 +42,21 @@ def tokenize(url, model, messages):
         return json.load(r)["tokens"]
 
 
+def block_chains(ids):
+    """The prompt's full blocks, each named by every token up to its end (a chain)."""
+    return [tuple(ids[: (i + 1) * BLOCK]) for i in range(len(ids) // BLOCK)]
+
+
+def cached_tokens(n, chains, cached):
+    """Tokens of an `n`-token prompt served from a cache holding `cached`: its leading full
+    blocks found there, never its last token."""
+    cap = (n - 1) // BLOCK
+    k = 0
+    while k < min(cap, len(chains)) and chains[k] in cached:
+        k += 1
+    return k * BLOCK
+
+
 def bound(url, requests_path):
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         model = json.load(r)["data"][0]["id"]
@@ -50,12 +65,8 @@ def bound(url, requests_path):
     for line in open(requests_path):
         ids = tokenize(url, model, json.loads(line)["messages"])
         total += len(ids)
-        cap = (len(ids) - 1) // BLOCK
-        chains = [tuple(ids[: (i + 1) * BLOCK]) for i in range(len(ids) // BLOCK)]
-        n = 0
-        while n < min(cap, len(chains)) and chains[n] in seen:
-            n += 1
-        hit += n * BLOCK
+        chains = block_chains(ids)
+        hit += cached_tokens(len(ids), chains, seen)
         seen.update(chains)
     return hit / total if total else 0.0, total
 
