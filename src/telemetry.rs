@@ -54,6 +54,8 @@ pub const QUEUE_SHED: &str = "inferlb_queue_shed_total";
 pub const PREFIX_MATCH_RATIO: &str = "inferlb_prefix_match_ratio";
 pub const PREFIX_REPLICAS: &str = "inferlb_prefix_replicas_total";
 pub const PREFIX_OVERFLOWS: &str = "inferlb_prefix_overflows_total";
+pub const PREFIX_RETURNS: &str = "inferlb_prefix_returns_total";
+pub const PREFIX_THRASH: &str = "inferlb_prefix_thrash_ratio";
 pub const CONNECTIONS_REFUSED: &str = "inferlb_connections_refused_total";
 pub const KV_STREAMS: &str = "inferlb_kv_event_streams";
 pub const KV_EVENT_MESSAGES: &str = "inferlb_kv_event_messages_total";
@@ -103,6 +105,8 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (PREFIX_MATCH_RATIO, "Fraction of a request's prompt blocks found on the backend it was sent to."),
     (PREFIX_REPLICAS, "Requests sent to a backend as a new replica of their hot prefix (prefix-cache-scorer replicate_share)."),
     (PREFIX_OVERFLOWS, "Requests sent to a backend holding part of their prefix because every backend holding more was over its load bound (prefix-cache-scorer replicate_overload)."),
+    (PREFIX_RETURNS, "Requests whose prompt prefix came back after the backend holding the most of it had evicted the next block (by the router's record of what it sent each backend)."),
+    (PREFIX_THRASH, "Share of recent prompt tokens (one-minute half-life) whose prefix came back after a cache had evicted it: the fleet's caches are too small for their working set when this is high."),
     (CONNECTIONS_REFUSED, "Client connections closed on arrival because the listener was at limits.max_connections."),
     (KV_STREAMS, "Member backends by KV-event stream status (off, live, unsure, silent); only live streams are used for precise prefix scoring."),
     (KV_EVENT_MESSAGES, "KV-event messages applied (live and replayed), over all backends."),

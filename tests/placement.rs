@@ -1,7 +1,8 @@
 //! Where a prefix goes, through the real router: a prefix nobody holds by the caches' fill
 //! (the default) or by the backends' recent traffic (`room_work_weight = 1`), the new prefixes
-//! each was just given counted at an average prefix's traffic; and a hot prefix whose holder takes too much of
-//! the traffic to a second holder (hot-prefix replication).
+//! each was just given counted at an average prefix's traffic, and by fill again while the
+//! caches thrash; and a hot prefix whose holder takes too much of the traffic to a second
+//! holder (hot-prefix replication).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -30,7 +31,14 @@ fn text(seed: char, chars: usize) -> String {
 /// A router over two idle fakes (KV usage 0) with the default profile, its prefix scorer's
 /// parameters set to `parameters`.
 async fn two_backends(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter) {
-    let fakes = common::fakes(&["a", "b"]).await;
+    over(common::fakes(&["a", "b"]).await, parameters).await
+}
+
+/// A router over `fakes` as [`two_backends`] starts it.
+async fn over(
+    fakes: Vec<common::FakeBackend>,
+    parameters: &str,
+) -> (Vec<common::FakeBackend>, TestRouter) {
     let mut cfg = config(&fakes.iter().collect::<Vec<_>>());
     cfg.plugins.push(PluginSpec {
         kind: "prefix-cache-scorer".into(),
@@ -198,4 +206,57 @@ async fn a_copy_of_the_prefix_takes_requests_while_every_full_holder_is_over_its
         overflows >= 1.0,
         "inferlb_prefix_overflows_total {overflows}"
     );
+}
+
+/// Backend X serves models `m` and `t`, Y only `m`; every cache holds 16 blocks. Nine requests
+/// cycle three 15-block prompts of model `t` on X (only X serves it), so from the fourth on
+/// each comes back after X's cache dropped it; then forty requests of one short hot prompt of
+/// model `m` go to Y (emptier and idler), which ends the busier by traffic while X stays the
+/// fuller. Returns where a new prefix of `m` goes, X and Y, and the requests counted in
+/// `inferlb_prefix_returns_total` meanwhile.
+async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, String, f64) {
+    let fakes = vec![
+        common::FakeBackend::start("x", &["m", "t"]).await,
+        common::FakeBackend::start("y", &["m"]).await,
+    ];
+    let (_fakes, router) = over(
+        fakes,
+        &format!(
+            "room_work_weight = 1.0\nroom_placed_weight = 0.0\nreplicate_share = 0.0\n\
+             capacity = 16\nroom_thrash_limit = {room_thrash_limit:?}"
+        ),
+    )
+    .await;
+    let returns = || common::sample(&router, "inferlb_prefix_returns_total");
+    let before = returns().await;
+    let mut x = None;
+    for i in 0..9u8 {
+        let (status, backend, _) =
+            common::chat(&router, "t", &text(char::from(b'p' + i % 3), 1_000)).await;
+        assert_eq!(status, 200);
+        x = backend;
+    }
+    let x = x.unwrap();
+    let y = send(&router, &text('H', 400)).await;
+    assert_ne!(x, y, "the hot prompt goes to the emptier, idler backend");
+    for _ in 0..39 {
+        assert_eq!(send(&router, &text('H', 400)).await, y, "affinity holds");
+    }
+    let new = send(&router, &text('N', 400)).await;
+    let added = returns().await - before;
+    router.shutdown().await;
+    (new, x, y, added)
+}
+
+#[tokio::test]
+async fn while_the_caches_thrash_a_new_prefix_goes_by_fill_not_by_traffic() {
+    // Six of the nine cycled prompts came back after eviction (over a fifth of the recent
+    // prompt tokens, above the 5 % limit): traffic no longer decides, fill does, and Y holds
+    // only the hot prompt.
+    let (new, _x, y, returns) = new_prefix_after_thrash(0.05).await;
+    assert!(returns >= 6.0, "inferlb_prefix_returns_total {returns}");
+    assert_eq!(new, y, "fill decides while the caches thrash");
+    // With a limit the thrash never reaches, traffic decides: X carried less.
+    let (new, x, _y, _) = new_prefix_after_thrash(1e9).await;
+    assert_eq!(new, x, "traffic decides when the limit is out of reach");
 }

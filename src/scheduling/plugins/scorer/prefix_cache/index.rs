@@ -15,10 +15,18 @@
 //! so a hash names a whole prefix, and "block i matches" implies "blocks 0..i match" for a
 //! backend that received that exact prefix; recording keeps each backend's set prefix-closed,
 //! so matching bisects instead of walking every block.
+//!
+//! Each backend also keeps a small **ghost** of the blocks its LRU evicted lately (a
+//! direct-mapped table of the LRU's size within [`GHOST_MIN`]..[`GHOST_MAX`] hashes, the
+//! newest eviction replacing whatever shares its slot: an evicted block is remembered for
+//! about as many evictions as the table has slots). [`PrefixIndex::returned`] asks it
+//! whether a prompt's next block after what a backend holds is one that backend evicted: a
+//! prefix that comes back after its cache dropped it, the sign of a cache that cannot hold
+//! its working set (as the ghost lists of adaptive replacement caches measure it).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -88,12 +96,51 @@ pub fn block_hashes(
     }
 }
 
+/// Most evicted hashes remembered per backend: 32 KiB of ghost beside an LRU that, at the
+/// fallback capacity, takes about 750 KiB…
+pub const GHOST_MAX: usize = 4_096;
+/// …and least, so that a small cache's ghost outlives one long prompt's evictions.
+pub const GHOST_MIN: usize = 1_024;
+
 struct BackendLru {
     epoch: u64,
     /// Entries in `lru`, mirrored after each record so scoring reads it without the mutex.
     len: AtomicUsize,
     capacity: usize,
     lru: Mutex<Lru>,
+    /// Hashes evicted lately, at `hash mod len` (a power of two); 0 is an empty slot. Written
+    /// under the `lru` mutex, read without it.
+    ghost: Box<[AtomicU64]>,
+}
+
+impl BackendLru {
+    fn new(epoch: u64, capacity: usize) -> Self {
+        let lru = Lru::new(capacity);
+        let slots = lru
+            .capacity()
+            .clamp(GHOST_MIN, GHOST_MAX)
+            .next_power_of_two();
+        BackendLru {
+            epoch,
+            len: AtomicUsize::new(0),
+            capacity: lru.capacity(),
+            lru: Mutex::new(lru),
+            ghost: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn slot(&self, hash: u64) -> &AtomicU64 {
+        // The length is a power of two; the low bits are as uniform as any.
+        &self.ghost[(hash as usize) & (self.ghost.len() - 1)]
+    }
+
+    fn evicted(&self, hash: u64) {
+        self.slot(hash).store(hash, Ordering::Relaxed);
+    }
+
+    fn was_evicted(&self, hash: u64) -> bool {
+        hash != 0 && self.slot(hash).load(Ordering::Relaxed) == hash
+    }
 }
 
 /// Shared by all requests of one prefix scorer.
@@ -226,6 +273,26 @@ impl PrefixIndex {
         }
     }
 
+    /// For each `(backend, epoch)` candidate holding `matched` leading blocks of `hashes`: is
+    /// the next block one its LRU evicted lately (the prompt's prefix came back to a cache that
+    /// had dropped it)? False where the candidate holds the whole prompt or the index holds
+    /// nothing of it at that epoch.
+    pub fn returned(
+        &self,
+        hashes: &[u64],
+        candidates: &[(usize, u64)],
+        matched: &[usize],
+        out: &mut [bool],
+    ) {
+        let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
+        for ((slot, (backend, epoch)), m) in out.iter_mut().zip(candidates).zip(matched) {
+            *slot = match (lrus.get(*backend).and_then(|l| l.as_ref()), hashes.get(*m)) {
+                (Some(l), Some(next)) if l.epoch == *epoch => l.was_evicted(*next),
+                _ => false,
+            };
+        }
+    }
+
     /// The capacity (blocks) of `backend`'s LRU at `epoch`, if the index holds one.
     pub fn capacity(&self, backend: usize, epoch: u64) -> Option<u64> {
         let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
@@ -258,6 +325,7 @@ impl PrefixIndex {
                 Touch::Replaced(old) => {
                     self.clear_bit(old, w, bit);
                     self.set_bit(*hash, w, bit);
+                    entry.evicted(old);
                 }
             }
         }
@@ -307,6 +375,7 @@ impl PrefixIndex {
             let (w, bit) = word_bit(backend);
             for hash in evicted {
                 self.clear_bit(hash, w, bit);
+                old.evicted(hash);
             }
             *lru = resized;
             old.capacity = lru.capacity();
@@ -316,13 +385,7 @@ impl PrefixIndex {
         if let Some(old) = lrus[backend].take() {
             self.clear_backend(backend, &old);
         }
-        let lru = Lru::new(capacity);
-        lrus[backend] = Some(BackendLru {
-            epoch,
-            len: AtomicUsize::new(0),
-            capacity: lru.capacity(),
-            lru: Mutex::new(lru),
-        });
+        lrus[backend] = Some(BackendLru::new(epoch, capacity));
     }
 
     /// Forget everything about `backend` (it left the pool or its cache was wiped).
@@ -500,6 +563,41 @@ mod tests {
         assert_eq!(out, [2]);
         idx.match_lengths(&first, &[(0, 0)], &mut out);
         assert_eq!(out, [0], "evicted blocks no longer match");
+    }
+
+    /// The ghost names the block a prompt lacks when its backend evicted it, and only then:
+    /// not for a backend that never held it, not at another epoch, not past the prompt's end.
+    #[test]
+    fn ghost_names_blocks_the_backend_evicted() {
+        let idx = PrefixIndex::new();
+        let first = hashes("aaaabbbb");
+        let second = hashes("ccccdddd");
+        idx.record(0, 0, 2, &first);
+        idx.record(1, 0, 2, &first);
+        idx.record(0, 0, 2, &second);
+        let mut matched = [0; 2];
+        idx.match_lengths(&first, &[(0, 0), (1, 0)], &mut matched);
+        assert_eq!(matched, [0, 2]);
+        let mut out = [false; 2];
+        idx.returned(&first, &[(0, 0), (1, 0)], &matched, &mut out);
+        assert_eq!(
+            out,
+            [true, false],
+            "backend 0 evicted the head; 1 holds it all"
+        );
+        idx.returned(&first, &[(0, 1), (1, 0)], &[0, 0], &mut out);
+        assert_eq!(
+            out,
+            [false, false],
+            "another epoch, and a block 1 never lost"
+        );
+        idx.returned(&second, &[(0, 0), (1, 0)], &[0, 0], &mut out);
+        assert_eq!(out, [false, false], "held or never sent: nothing evicted");
+        // Touched again, the block is held: the prompt now matches past it.
+        idx.record(0, 0, 2, &first);
+        idx.match_lengths(&second, &[(0, 0)], &mut matched[..1]);
+        idx.returned(&second, &[(0, 0)], &matched[..1], &mut out[..1]);
+        assert!(out[0], "the second prompt's blocks went in their turn");
     }
 
     /// A new reported cache size shrinks the backend's records to the most recent blocks that

@@ -31,12 +31,22 @@
 //! `room_work_weight = w` the room is judged partly by each candidate's recent traffic
 //! (`work`: prompt tokens sent to it, decayed with a one-minute half-life, see
 //! [`crate::endpoints::sent_work`]), in a share that shrinks as the caches get busy (`kv`: the
-//! candidates' mean KV-cache usage, 0.5 when none is known):
+//! candidates' mean KV-cache usage, 0.5 when none is known) and closes while they thrash
+//! (`thrash`: the share of recent prompt tokens, one-minute half-life, whose prefix came back
+//! after the backend holding the most of it had evicted the next block, told by each
+//! backend's ghost of recent evictions, see [`index`]):
 //!
 //! ```text
-//! t    = w · (1 − kv)
+//! t    = w · (1 − kv) · max(0, 1 − thrash / room_thrash_limit)
 //! room = (1 − t) · room_by_fill + t · room_by_work        (each min–max scaled as above)
 //! ```
+//!
+//! The thrash term is closed-loop: placing by traffic gives the idler backends more distinct
+//! prefixes, harmless while their caches hold them, and the moment their caches start
+//! dropping prefixes that are asked for again, placement goes back to filling evenly.
+//! Mean KV usage cannot say this: an engine's usage counts only running requests' blocks
+//! (about 0 between requests on two real vLLM servers whose caches were full of reusable
+//! prefixes), and the index's fill is full as soon as the router has sent a cache's worth.
 //!
 //! Balancing traffic moves new prefixes off the hot backend, so the others hold more distinct
 //! prefixes: harmless while their caches have room, a source of evictions and preemptions
@@ -163,6 +173,7 @@ use serde::Deserialize;
 
 use crate::clock::now_ms;
 use crate::config_error::ConfigError;
+use crate::endpoints::sent_work::Recent;
 use crate::endpoints::{Backend, BackendState, Candidate};
 use crate::kv_events::chain::prompt_chain;
 use crate::kv_events::store::Status;
@@ -207,6 +218,9 @@ struct Params {
     memory_weight: f64,
     /// Share of the room term judged by recent traffic rather than fill (see the module doc).
     room_work_weight: f64,
+    /// Share of recent prompt tokens whose prefix came back after a cache dropped it at which
+    /// placing by traffic stops (module doc).
+    room_thrash_limit: f64,
     /// How much each new prefix a backend was given lately adds to its traffic, in average
     /// prefixes' traffic (module doc).
     room_placed_weight: f64,
@@ -236,6 +250,7 @@ impl Default for Params {
             inflight_ms: 2_000,
             memory_weight: 1.0,
             room_work_weight: 0.0,
+            room_thrash_limit: 0.05,
             room_placed_weight: 0.5,
             replicate_share: 0.0,
             replicate_min_prompts: 4.0,
@@ -312,6 +327,9 @@ struct Scratch {
     passes: u32,
     /// Token-block chains by (block size, LoRA adapter), computed once per request.
     chains: Vec<Chain>,
+    /// The prompt's next block after the longest match among the candidates is one that a
+    /// candidate holding that match evicted lately ([`PrefixIndex::returned`]).
+    returned: bool,
     /// (backend id, chain index, blocks held) for each candidate scored precisely.
     precise: Vec<(usize, usize, usize)>,
 }
@@ -341,6 +359,10 @@ pub struct PrefixCacheScorer {
     decisions: AtomicU64,
     /// Recent traffic per prefix, for hot-prefix replication.
     traffic: PrefixTraffic,
+    /// Recent prompt tokens routed, and those of prompts whose prefix came back after a cache
+    /// dropped it ([`PrefixIndex::returned`]): the fleet's thrash.
+    routed: Recent,
+    returned: Recent,
 }
 
 impl PrefixCacheScorer {
@@ -382,6 +404,9 @@ impl PrefixCacheScorer {
                 "room_placed_weight must be ≥ 0",
             ));
         }
+        if !(params.room_thrash_limit > 0.0 && params.room_thrash_limit.is_finite()) {
+            return Err(ConfigError::invalid(field, "room_thrash_limit must be > 0"));
+        }
         if !(0.0..=1.0).contains(&params.replicate_share)
             || !non_negative(params.replicate_min_prompts)
             || !non_negative(params.replicate_overload)
@@ -404,6 +429,8 @@ impl PrefixCacheScorer {
             index: PrefixIndex::new(),
             decisions: AtomicU64::new(0),
             traffic: PrefixTraffic::default(),
+            routed: Recent::default(),
+            returned: Recent::default(),
         })
     }
 
@@ -572,6 +599,7 @@ impl PrefixCacheScorer {
             };
         }
         self.replicate(request, candidates, &hashes, &matched, &mut out);
+        let returned = self.returned_prefix(&hashes, &ids, &matched);
         if !precise.is_empty() {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
                 .increment(precise.len() as u64);
@@ -593,8 +621,40 @@ impl PrefixCacheScorer {
                 passes: passes.saturating_add(1),
                 chains,
                 precise,
+                returned,
             },
         );
+    }
+
+    /// Did the prompt's prefix come back after a cache dropped it: is its next block after the
+    /// longest match among the candidates one that a candidate holding that match evicted
+    /// lately? (A block evicted by one backend while another holds more of the prompt cost
+    /// nothing.)
+    fn returned_prefix(&self, hashes: &[u64], ids: &[(usize, u64)], matched: &[usize]) -> bool {
+        let longest = matched.iter().copied().max().unwrap_or(0);
+        if longest >= hashes.len() {
+            return false;
+        }
+        let (ids, matched): (Vec<(usize, u64)>, Vec<usize>) = ids
+            .iter()
+            .zip(matched)
+            .filter(|(_, m)| **m == longest)
+            .map(|(id, m)| (*id, *m))
+            .unzip();
+        let mut out = vec![false; ids.len()];
+        self.index.returned(hashes, &ids, &matched, &mut out);
+        out.contains(&true)
+    }
+
+    /// The fleet's recent thrash: the share of recent prompt tokens whose prefix came back
+    /// after a cache dropped it (0 before any traffic).
+    pub fn thrash(&self, now: u64) -> f64 {
+        let routed = self.routed.get(now);
+        if routed > 0.0 {
+            (self.returned.get(now) / routed).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
     }
 
     /// Hot-prefix replication and bounded load (see the module doc): when every candidate
@@ -724,7 +784,8 @@ impl PrefixCacheScorer {
             .filter_map(|c| c.metrics().and_then(|m| m.kv_usage))
             .fold((0.0, 0usize), |(s, n), k| (s + k.clamp(0.0, 1.0), n + 1));
         let busy = if n == 0 { 0.5 } else { sum / n as f64 };
-        let t = self.params.room_work_weight * (1.0 - busy);
+        let open = (1.0 - self.thrash(now_ms()) / self.params.room_thrash_limit).max(0.0);
+        let t = self.params.room_work_weight * (1.0 - busy) * open;
         if t.is_finite() {
             t
         } else {
@@ -791,6 +852,7 @@ impl Plugin for PrefixCacheScorer {
 
     fn refresh_metrics(&self) {
         metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
+        metrics::gauge!(t::PREFIX_THRASH).set(self.thrash(now_ms()));
     }
 
     fn after_pick(&self, request: &RequestView, state: &CycleState, backend: &Backend) {
@@ -811,8 +873,10 @@ impl Plugin for PrefixCacheScorer {
             }
         };
         let mut new_prefix = false;
+        let mut returned = false;
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
             new_prefix = is_new_prefix(scratch);
+            returned = scratch.returned;
             let picked = scratch
                 .matched
                 .iter()
@@ -839,8 +903,14 @@ impl Plugin for PrefixCacheScorer {
         }
         // Once per request: a P/D prefill step is the same request's traffic again.
         if request.roles != RoleScope::PrefillStep {
-            self.traffic
-                .record(hashes, request.estimated_prompt_tokens() as f64, now_ms());
+            let now = now_ms();
+            let tokens = request.estimated_prompt_tokens() as f64;
+            self.traffic.record(hashes, tokens, now);
+            self.routed.add(tokens, now);
+            if returned {
+                self.returned.add(tokens, now);
+                metrics::counter!(t::PREFIX_RETURNS).increment(1);
+            }
         }
         if new_prefix {
             backend.work().note_placed(now_ms());
@@ -856,6 +926,7 @@ impl Plugin for PrefixCacheScorer {
         );
         if self.decisions.fetch_add(1, Ordering::Relaxed) % 64 == 0 {
             metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
+            metrics::gauge!(t::PREFIX_THRASH).set(self.thrash(now_ms()));
         }
     }
 }
