@@ -130,6 +130,8 @@ for policy in $POLICIES; do
     --system-tokens "$SYSTEM" --question-tokens "$QUESTION" --output-tokens "$OUTPUT" --rate "$RATE" --seed "$SEED" --zipf "$ZIPF" --block-size 128 \
     "${METRICS[@]}" --json "$OUT/$run.json" --dump-requests "$OUT/$run.requests.jsonl" >&2
   for u in $URLS; do curl -s "$u/metrics" > "$OUT/$run.after.$(echo "$u" | tr -c 'a-z0-9\n' _)"; done
+  # The router's own series (prefix returns, thrash, replicas) for inferlb policies.
+  [ "$policy" = sglang ] || [[ "$policy" == *-x2 ]] || curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/$run.router.metrics" || true
   kill "$LB"; wait "$LB" 2>/dev/null || true; LB=""
 done
 done

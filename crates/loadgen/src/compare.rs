@@ -213,6 +213,7 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     slo: cfg.slo.map(|s| s.scaled_down(ts)),
                 };
                 let out = runner::run(run, Arc::clone(&workload)).await;
+                r.save_metrics(&cfg.results_dir).await;
                 r.stop().await;
                 match out {
                     Ok(out) => {

@@ -355,6 +355,28 @@ async fn wait_ready(
 }
 
 impl RunningRouter {
+    /// Keep the router's own `/metrics` page (what it counted during the run: prefix
+    /// returns, thrash, replicas…) as `log_dir/router-NAME.metrics`, if it serves one; a
+    /// router without it, or one that does not answer within 5 s, leaves no file.
+    pub async fn save_metrics(&self, log_dir: &Path) {
+        let Ok(client) = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+        else {
+            return;
+        };
+        let Ok(resp) = client.get(format!("{}/metrics", self.url)).send().await else {
+            return;
+        };
+        if !resp.status().is_success() {
+            return;
+        }
+        if let Ok(text) = resp.text().await {
+            let path = log_dir.join(format!("router-{}.metrics", sanitize(&self.name)));
+            let _ = std::fs::write(path, text);
+        }
+    }
+
     /// SIGTERM, then SIGKILL if the process has not exited within 10 s.
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {

@@ -250,7 +250,7 @@ impl Default for Params {
             inflight_ms: 2_000,
             memory_weight: 1.0,
             room_work_weight: 0.0,
-            room_thrash_limit: 0.05,
+            room_thrash_limit: 0.02,
             room_placed_weight: 0.5,
             replicate_share: 0.0,
             replicate_min_prompts: 4.0,
@@ -598,8 +598,8 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
+        let returned = self.returned_prefix(&hashes, &ids, &matched) || evicted_precisely(&out);
         self.replicate(request, candidates, &hashes, &matched, &mut out);
-        let returned = self.returned_prefix(&hashes, &ids, &matched);
         if !precise.is_empty() {
             metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
                 .increment(precise.len() as u64);
@@ -831,6 +831,21 @@ fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
         .into_iter()
         .map(hot::recorded_depth)
         .find(|d| *d > elsewhere)
+}
+
+/// Does a live backend's own report say the prompt's prefix came back after its cache dropped
+/// it: the router sent at least half of the prompt's blocks to a backend scored precisely
+/// (`recalled`), and no candidate now holds within half of that? The ghost cannot say so when
+/// the router's record of a cache is larger than the cache (its capacity is estimated in
+/// characters), and the events can.
+fn evicted_precisely(held: &[Held]) -> bool {
+    let sent = held
+        .iter()
+        .filter(|h| h.precise)
+        .map(|h| h.recalled)
+        .fold(0.0, f64::max);
+    let holds = held.iter().map(Held::ratio).fold(0.0, f64::max);
+    sent >= 0.5 && sent - holds >= 0.5
 }
 
 /// How much less the holders over their load bound score than the copy taking their request.

@@ -489,3 +489,21 @@ fn a_copy_within_the_bound_takes_requests_from_holders_over_it() {
     let h = held(&first);
     assert_ne!(h[1].granted, Some(Grant::Overflow), "{h:?}");
 }
+
+/// A prompt the router sent to a live backend, whose events then report the head evicted,
+/// comes back: the second of two equal prompts, half the recent tokens, is thrash.
+#[test]
+fn a_prefix_a_live_backend_reports_evicted_counts_as_thrash_when_it_comes_back() {
+    let (b, s) = setup(2, "block_size = 4\nroom_weight = 0.0");
+    let c = candidates(&b);
+    let ids: Vec<u32> = (0..64).collect();
+    let v = token_view(&ids);
+    report(&b[0], &ids, 16, 4, 0);
+    record(&s, &v, &c, &b[0]);
+    assert_eq!(s.thrash(crate::clock::now_ms()), 0.0, "held: no thrash");
+    b[0].kv()
+        .apply(1, &[removed(&[1000])], crate::clock::now_ms());
+    record(&s, &v, &c, &b[0]);
+    let thrash = s.thrash(crate::clock::now_ms());
+    assert!((0.45..=0.55).contains(&thrash), "thrash {thrash}");
+}
