@@ -635,15 +635,9 @@ impl PrefixCacheScorer {
         if longest >= hashes.len() {
             return false;
         }
-        let (ids, matched): (Vec<(usize, u64)>, Vec<usize>) = ids
-            .iter()
-            .zip(matched)
-            .filter(|(_, m)| **m == longest)
-            .map(|(id, m)| (*id, *m))
-            .unzip();
         let mut out = vec![false; ids.len()];
-        self.index.returned(hashes, &ids, &matched, &mut out);
-        out.contains(&true)
+        self.index.returned(hashes, ids, matched, &mut out);
+        out.iter().zip(matched).any(|(r, m)| *r && *m == longest)
     }
 
     /// The fleet's recent thrash: the share of recent prompt tokens whose prefix came back
