@@ -304,3 +304,77 @@ async fn a_prefix_evicted_everywhere_returns_to_the_backend_it_was_sent_to() {
     }
     stop(r);
 }
+
+/// On a live pair (the default profile, `params` on its prefix scorer): a long prompt fills
+/// backend X's cache, a short one sent 20 times makes Y the busier by traffic; each stored as
+/// its backend reports. Returns X, Y and where a new prefix then goes.
+async fn precise_new_prefix(name: &str, params: &str) -> (String, String, String) {
+    let extra =
+        format!("[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\n{params}\n");
+    let Pair {
+        a,
+        b: _b,
+        mut pa,
+        mut pb,
+        r,
+    } = live_pair(name, &extra).await;
+    let addr = r.addr.clone();
+    // Placement by traffic needs the caches' usage (0 on the fakes) to be known.
+    for _ in 0..600 {
+        let v = admin_at(&addr).await;
+        let known = v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["metrics"]["kv_cache_usage"] == 0.0);
+        if known {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let publisher = |url: &str| if url == a.url() { 0 } else { 1 };
+    let publishers = [&mut pa, &mut pb];
+    let long = prompt(3, 40);
+    let x = route(&addr, &long).await;
+    publishers[publisher(&x)]
+        .send(&[stored(1_000, None, &long)])
+        .await;
+    until_kv(&addr, &x, |k| k["blocks"] == 41).await;
+    let hot = prompt(4, 8);
+    let y = route(&addr, &hot).await;
+    assert_ne!(
+        x, y,
+        "the hot prefix's first request goes to the emptier cache"
+    );
+    publishers[publisher(&y)]
+        .send(&[stored(2_000, None, &hot)])
+        .await;
+    until_kv(&addr, &y, |k| k["blocks"] == 9).await;
+    for _ in 0..19 {
+        assert_eq!(
+            route(&addr, &hot).await,
+            y,
+            "the hot prefix stays where it is held"
+        );
+    }
+    let new = route(&addr, &prompt(5, 8)).await;
+    let v = admin_at(&addr).await;
+    for url in [&x, &y] {
+        assert_eq!(kv(&v, url)["status"], "live", "{v}");
+    }
+    stop(r);
+    (x, y, new)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precise_by_default_a_new_prefix_goes_to_the_idler_backend() {
+    // Every candidate is scored precisely: precise_room_work_weight (1 by default) places the
+    // prefix by traffic, not by the caches' fill (which would pick Y, as weight 0 shows).
+    let (x, _y, new) = precise_new_prefix("idler", "").await;
+    assert_eq!(
+        new, x,
+        "traffic decides while the caches are idle and not thrashing"
+    );
+    let (_x, y, new) = precise_new_prefix("idler-off", "precise_room_work_weight = 0.0").await;
+    assert_eq!(new, y, "fill decides with the weight at 0");
+}

@@ -48,6 +48,12 @@
 //! (about 0 between requests on two real vLLM servers whose caches were full of reusable
 //! prefixes), and the index's fill is full as soon as the router has sent a cache's worth.
 //!
+//! The gate needs evictions to be seen. A live KV-event stream reports them, so when every
+//! candidate is scored precisely the weight is `precise_room_work_weight` (1 by default); an
+//! approximate candidate's evictions are only the router's guess (its capacity estimate counts
+//! characters, and a guess twice the real cache never evicts: thrash stays 0 while the real
+//! cache drops prefixes), so otherwise the weight is `room_work_weight` (0 by default).
+//!
 //! Balancing traffic moves new prefixes off the hot backend, so the others hold more distinct
 //! prefixes: harmless while their caches have room, a source of evictions and preemptions
 //! when they are full (w = 1 alone raised the simulator's TTFT p90 at 73 % cache pressure from
@@ -216,8 +222,11 @@ struct Params {
     inflight_ms: u64,
     /// Weight of the approximate index's memory for live candidates (see the module doc).
     memory_weight: f64,
-    /// Share of the room term judged by recent traffic rather than fill (see the module doc).
+    /// Share of the room term judged by recent traffic rather than fill (see the module doc)…
     room_work_weight: f64,
+    /// …when every candidate is scored precisely (its live KV-event stream tells its
+    /// evictions, so the thrash gate works).
+    precise_room_work_weight: f64,
     /// Share of recent prompt tokens whose prefix came back after a cache dropped it at which
     /// placing by traffic stops (module doc).
     room_thrash_limit: f64,
@@ -250,6 +259,7 @@ impl Default for Params {
             inflight_ms: 2_000,
             memory_weight: 1.0,
             room_work_weight: 0.0,
+            precise_room_work_weight: 1.0,
             room_thrash_limit: 0.02,
             room_placed_weight: 0.5,
             replicate_share: 0.0,
@@ -381,10 +391,12 @@ impl PrefixCacheScorer {
             || !(0.0..=1.0).contains(&params.room_weight)
             || !(0.0..=1.0).contains(&params.memory_weight)
             || !(0.0..=1.0).contains(&params.room_work_weight)
+            || !(0.0..=1.0).contains(&params.precise_room_work_weight)
         {
             return Err(ConfigError::invalid(
                 field,
-                "length_weight, room_weight, memory_weight and room_work_weight must be within 0..1",
+                "length_weight, room_weight, memory_weight, room_work_weight and \
+                 precise_room_work_weight must be within 0..1",
             ));
         }
         if !(params.chars_per_token > 0.0 && params.chars_per_token.is_finite()) {
@@ -766,11 +778,18 @@ impl PrefixCacheScorer {
         request.prompt_tokens(self.params.chars_per_token)
     }
 
-    /// The share of the room term judged by recent traffic: `room_work_weight` while the
+    /// The share of the room term judged by recent traffic: `room_work_weight`
+    /// (`precise_room_work_weight` when every candidate was scored precisely) while the
     /// candidates' caches are idle, shrinking to 0 as their mean KV-cache usage reaches 1
-    /// (0.5 when no candidate reports it; a usage that is not a number makes it 0).
-    fn traffic_share(&self, candidates: &[Candidate<'_>]) -> f64 {
-        if self.params.room_work_weight <= 0.0 {
+    /// (0.5 when no candidate reports it; a usage that is not a number makes it 0) and as the
+    /// fleet's thrash nears `room_thrash_limit`.
+    fn traffic_share(&self, candidates: &[Candidate<'_>], held: &[Held]) -> f64 {
+        let weight = if !held.is_empty() && held.iter().all(|h| h.precise) {
+            self.params.precise_room_work_weight
+        } else {
+            self.params.room_work_weight
+        };
+        if weight <= 0.0 {
             return 0.0;
         }
         let (sum, n) = candidates
@@ -779,7 +798,7 @@ impl PrefixCacheScorer {
             .fold((0.0, 0usize), |(s, n), k| (s + k.clamp(0.0, 1.0), n + 1));
         let busy = if n == 0 { 0.5 } else { sum / n as f64 };
         let open = (1.0 - self.thrash(now_ms()) / self.params.room_thrash_limit).max(0.0);
-        let t = self.params.room_work_weight * (1.0 - busy) * open;
+        let t = weight * (1.0 - busy) * open;
         if t.is_finite() {
             t
         } else {
@@ -995,7 +1014,7 @@ impl Scorer for PrefixCacheScorer {
                 let spread = self.params.room_weight * (1.0 - best);
                 let mut room = vec![0.0; candidates.len()];
                 lower_is_better(fill.iter().map(|f| Some(*f)), &mut room);
-                let t = self.traffic_share(candidates);
+                let t = self.traffic_share(candidates, &held);
                 if t > 0.0 {
                     let now = now_ms();
                     // Recent traffic says what the prefixes a backend has held for a while
