@@ -59,7 +59,10 @@ async fn over(
 /// On two idle backends: one long prompt fills backend X's recorded cache, then one short
 /// prompt sent 20 times makes backend Y the busier by traffic while X stays the fuller by
 /// fill. Returns the router, X and Y.
-async fn hot_on_y(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter, String, String) {
+async fn hot_on_y(
+    parameters: &str,
+    hot: usize,
+) -> (Vec<common::FakeBackend>, TestRouter, String, String) {
     let (fakes, router) = two_backends(parameters).await;
     // ~1,000 tokens of fill on X.
     let x = send(&router, &text('L', 4_000)).await;
@@ -69,7 +72,7 @@ async fn hot_on_y(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter, St
         x, y,
         "the hot prefix's first request goes to the empty backend"
     );
-    for _ in 0..19 {
+    for _ in 1..hot {
         assert_eq!(send(&router, &text('H', 400)).await, y, "affinity holds");
     }
     let view = common::admin_view(&router).await;
@@ -90,12 +93,10 @@ async fn hot_on_y(parameters: &str) -> (Vec<common::FakeBackend>, TestRouter, St
     (fakes, router, x, y)
 }
 
-/// Where a new prefix goes after [`hot_on_y`] (replication off: it is not what is tested).
-async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
-    let (_fakes, router, x, y) = hot_on_y(&format!(
-        "room_work_weight = {room_work_weight:?}\nreplicate_share = 0.0"
-    ))
-    .await;
+/// Where a new prefix goes after [`hot_on_y`] with `hot` requests of the hot prefix
+/// (replication off: it is not what is tested).
+async fn place_new_prefix(room: &str, hot: usize) -> (String, String, String) {
+    let (_fakes, router, x, y) = hot_on_y(&format!("{room}\nreplicate_share = 0.0"), hot).await;
     let new = send(&router, &text('N', 400)).await;
     router.shutdown().await;
     (x, y, new)
@@ -103,21 +104,38 @@ async fn place_new_prefix(room_work_weight: f64) -> (String, String, String) {
 
 #[tokio::test]
 async fn by_default_a_new_prefix_goes_to_the_emptiest_cache() {
-    let (_x, y, new) = place_new_prefix(0.0).await;
+    let (_x, y, new) = place_new_prefix("room_work_weight = 0.0", 20).await;
     assert_eq!(new, y, "fill decides: Y holds only the short hot prefix");
 }
 
 #[tokio::test]
 async fn with_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
-    let (x, _y, new) = place_new_prefix(1.0).await;
+    let (x, _y, new) = place_new_prefix("room_work_weight = 1.0\nroom_work_slack = 0.0", 20).await;
     assert_eq!(new, x, "traffic decides while the caches are idle");
+}
+
+#[tokio::test]
+async fn traffic_moves_a_new_prefix_only_off_a_backend_over_the_slack() {
+    // Y carries about 2,000 tokens and X 1,000, and each was given one new prefix, counted at
+    // half the average prefix's traffic (750): 2,750 and 1,750. Y is under 1.5 × their mean
+    // (3,375), so the default slack leaves the new prefix to fill (Y, the emptier)…
+    let (_x, y, new) = place_new_prefix("room_work_weight = 1.0", 20).await;
+    assert_eq!(new, y, "within the slack, fill decides");
+    // …and with 150 hot prompts (15,000 + 4,000 tokens against a bound of 18,000) traffic
+    // moves it to X.
+    let (x, _y, new) = place_new_prefix("room_work_weight = 1.0", 150).await;
+    assert_eq!(new, x, "over the slack, traffic decides");
 }
 
 /// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given.
 async fn new_prefixes_on_the_busy_backend(room_placed_weight: f64) -> usize {
-    let (_fakes, router, _x, y) = hot_on_y(&format!(
-        "room_work_weight = 1.0\nroom_placed_weight = {room_placed_weight:?}\nreplicate_share = 0.0"
-    ))
+    let (_fakes, router, _x, y) = hot_on_y(
+        &format!(
+            "room_work_weight = 1.0\nroom_placed_weight = {room_placed_weight:?}\n\
+             room_work_slack = 0.0\nreplicate_share = 0.0"
+        ),
+        20,
+    )
     .await;
     let mut on_y = 0;
     for i in 0..10 {
@@ -223,7 +241,7 @@ async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, Str
         fakes,
         &format!(
             "room_work_weight = 1.0\nroom_placed_weight = 0.0\nreplicate_share = 0.0\n\
-             capacity = 16\nroom_thrash_limit = {room_thrash_limit:?}"
+             room_work_slack = 0.0\ncapacity = 16\nroom_thrash_limit = {room_thrash_limit:?}"
         ),
     )
     .await;
