@@ -48,8 +48,10 @@
 //! below-mean candidates ranked too) let the lag of a new prefix's traffic pile the groups of a
 //! uniform workload onto a few backends: the simulator's TTFT p90 at 73 % pressure went from
 //! 0.19 s (fill only) to 3.4–6.2 s, with hits 0.86 → 0.75–0.78, whatever the thrash limit
-//! (0.002–0.02); slack 0.25 did the same, slack 0.5 kept 0.17 s and 0.86, and on Zipf gave
-//! 0.084 s against 0.113 s by fill (`bench/results/sim-26-slack-*-2026-12-06.md`).
+//! (0.002–0.02); slack 0.25 did the same, and slack 0.5 kept the uniform and Zipf runs level
+//! with fill (0.145 s against 0.139 s, 0.109 s against 0.099 s, one run each: within this
+//! simulator's run-to-run spread; `bench/results/sim-26-{slack,final}-*-2026-12-06.md`). With
+//! two backends the slack fires only past a 75 % share of the traffic.
 //!
 //! The thrash term is closed-loop: placing by traffic gives the idler backends more distinct
 //! prefixes, harmless while their caches hold them, and the moment their caches start
