@@ -51,7 +51,10 @@
 //! (0.002–0.02); slack 0.25 did the same, and slack 0.5 kept the uniform and Zipf runs level
 //! with fill (0.145 s against 0.139 s, 0.109 s against 0.099 s, one run each: within this
 //! simulator's run-to-run spread; `bench/results/sim-26-{slack,final}-*-2026-12-06.md`). With
-//! two backends the slack fires only past a 75 % share of the traffic.
+//! two backends the slack fires only past a 75 % share of the traffic. Over three runs on Zipf
+//! the median was 0.105 s against 0.098 s by fill (worse in each run, busiest share 33 % in
+//! both), so `precise_room_work_weight` stays 0 by default
+//! (`bench/results/sim-26-final-zipf-median3-2026-12-06.md`).
 //!
 //! The thrash term is closed-loop: placing by traffic gives the idler backends more distinct
 //! prefixes, harmless while their caches hold them, and the moment their caches start
@@ -61,7 +64,8 @@
 //! prefixes), and the index's fill is full as soon as the router has sent a cache's worth.
 //!
 //! The gate needs evictions to be seen. A live KV-event stream reports them, so when every
-//! candidate is scored precisely the weight is `precise_room_work_weight` (1 by default); an
+//! candidate is scored precisely the weight is `precise_room_work_weight` (0 by default: see
+//! below); an
 //! approximate candidate's evictions are only the router's guess (its capacity estimate counts
 //! characters, and a guess twice the real cache never evicts: thrash stays 0 while the real
 //! cache drops prefixes), so otherwise the weight is `room_work_weight` (0 by default).
@@ -274,7 +278,7 @@ impl Default for Params {
             inflight_ms: 2_000,
             memory_weight: 1.0,
             room_work_weight: 0.0,
-            precise_room_work_weight: 1.0,
+            precise_room_work_weight: 0.0,
             room_thrash_limit: 0.02,
             room_placed_weight: 0.5,
             room_work_slack: 0.5,
