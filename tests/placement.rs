@@ -57,8 +57,8 @@ async fn over(
 }
 
 /// On two idle backends: one long prompt fills backend X's recorded cache, then one short
-/// prompt sent 20 times makes backend Y the busier by traffic while X stays the fuller by
-/// fill. Returns the router, X and Y.
+/// prompt sent `hot` times (at least 20) makes backend Y the busier by traffic while X stays
+/// the fuller by fill. Returns the router, X and Y.
 async fn hot_on_y(
     parameters: &str,
     hot: usize,

@@ -42,18 +42,18 @@
 //! room    = (1 − t) · room_by_fill + t · room_by_excess   (each min–max scaled as above)
 //! ```
 //!
-//! Only a candidate over the slack is moved off (and while none is, fill alone places): with
-//! the default slack (0.5) traffic places a new prefix only away from a backend carrying half
-//! as much again as the average, which a hot prefix does and noise does not. Ranking every candidate by its traffic instead (slack 0 and
-//! below-mean candidates ranked too) let the lag of a new prefix's traffic pile the groups of a
-//! uniform workload onto a few backends: the simulator's TTFT p90 at 73 % pressure went from
-//! 0.19 s (fill only) to 3.4–6.2 s, with hits 0.86 → 0.75–0.78, whatever the thrash limit
-//! (0.002–0.02); slack 0.25 did the same, and slack 0.5 kept the uniform and Zipf runs level
-//! with fill (0.145 s against 0.139 s, 0.109 s against 0.099 s, one run each: within this
-//! simulator's run-to-run spread; `bench/results/sim-26-{slack,final}-*-2026-12-06.md`). With
-//! two backends the slack fires only past a 75 % share of the traffic. Over three runs on Zipf
-//! the median was 0.105 s against 0.098 s by fill (worse in each run, busiest share 33 % in
-//! both), so `precise_room_work_weight` stays 0 by default
+//! Only a candidate over the slack is moved off (and while none is, fill alone places): with the
+//! default slack (0.5) traffic places a new prefix only away from a backend carrying half as much
+//! again as the average, which a hot prefix does and noise does not. Ranking every candidate by its
+//! traffic instead (slack 0 and below-mean candidates ranked too) let the lag of a new prefix's
+//! traffic pile the groups of a uniform workload onto a few backends: the simulator's TTFT p90 at
+//! 73 % pressure went from 0.19 s (fill only) to 3.4–6.2 s, with hits 0.86 → 0.75–0.78, whatever
+//! the thrash limit (0.002–0.02); slack 0.25 did the same, and slack 0.5 kept the uniform and Zipf
+//! runs level with fill (0.145 s against 0.139 s, 0.109 s against 0.099 s, one run each: within
+//! this simulator's run-to-run spread; `bench/results/sim-26-{slack,final}-*-2026-12-06.md`). With
+//! two backends the slack fires only past a 75 % share of the traffic. Over three runs on Zipf the
+//! median was 0.105 s against 0.098 s by fill (worse in each run, busiest share 33 % in both), so
+//! `precise_room_work_weight` stays 0 by default
 //! (`bench/results/sim-26-final-zipf-median3-2026-12-06.md`).
 //!
 //! The thrash term is closed-loop: placing by traffic gives the idler backends more distinct
@@ -64,11 +64,11 @@
 //! prefixes), and the index's fill is full as soon as the router has sent a cache's worth.
 //!
 //! The gate needs evictions to be seen. A live KV-event stream reports them, so when every
-//! candidate is scored precisely the weight is `precise_room_work_weight` (0 by default: see
-//! below); an
-//! approximate candidate's evictions are only the router's guess (its capacity estimate counts
-//! characters, and a guess twice the real cache never evicts: thrash stays 0 while the real
-//! cache drops prefixes), so otherwise the weight is `room_work_weight` (0 by default).
+//! candidate is scored precisely the weight is `precise_room_work_weight` (0 by default, see
+//! above); an approximate candidate's evictions are only the router's guess (its capacity
+//! estimate counts characters, and a guess twice the real cache never evicts: thrash stays 0
+//! while the real cache drops prefixes), so otherwise the weight is `room_work_weight` (0 by
+//! default).
 //!
 //! Balancing traffic moves new prefixes off the hot backend, so the others hold more distinct
 //! prefixes: harmless while their caches have room, a source of evictions and preemptions
@@ -717,11 +717,10 @@ impl PrefixCacheScorer {
             .iter()
             .map(|c| c.backend.work().recent_tokens(now))
             .collect();
-        let fair = work.iter().sum::<f64>() / candidates.len() as f64;
+        let (fair, bound) = fair_and_bound(&work, p.replicate_overload);
         if !(fair > 0.0 && fair.is_finite()) {
             return;
         }
-        let bound = (1.0 + p.replicate_overload) * fair;
         let prompt = request.estimated_prompt_tokens() as f64;
         // The prefix's holders hold the most of the prompt; its group adds every candidate
         // holding at least half of that (a copy of the prefix with another tail).
@@ -882,6 +881,13 @@ fn evicted_precisely(held: &[Held]) -> bool {
         .fold(0.0, f64::max);
     let holds = held.iter().map(Held::ratio).fold(0.0, f64::max);
     sent >= 0.5 && sent - holds >= 0.5
+}
+
+/// The candidates' mean load (their fair share) and `(1 + slack)` times it, the bound past
+/// which one carries too much (0 and 0 for no candidates).
+fn fair_and_bound(load: &[f64], slack: f64) -> (f64, f64) {
+    let fair = load.iter().sum::<f64>() / load.len().max(1) as f64;
+    (fair, (1.0 + slack) * fair)
 }
 
 /// How much less the holders over their load bound score than the copy taking their request.
@@ -1057,8 +1063,7 @@ impl Scorer for PrefixCacheScorer {
                         .zip(&placed)
                         .map(|(w, p)| w + self.params.room_placed_weight * p * per_prefix)
                         .collect();
-                    let fair = load.iter().sum::<f64>() / load.len().max(1) as f64;
-                    let bound = (1.0 + self.params.room_work_slack) * fair;
+                    let (_, bound) = fair_and_bound(&load, self.params.room_work_slack);
                     // Nobody over the slack: traffic says nothing fill does not, and
                     // blending in a tie would only wash out fill's ranking.
                     if load.iter().any(|l| *l > bound) {
