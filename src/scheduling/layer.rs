@@ -290,7 +290,7 @@ impl Shared {
         loop {
             let started = std::time::Instant::now();
             let picked = self.scheduler.schedule(&request.view, state, exclude);
-            metrics::histogram!(crate::telemetry::SCHEDULING_DURATION)
+            crate::telemetry::handles::scheduling_duration()
                 .record(started.elapsed().as_secs_f64());
             let (eligible, limit) = match picked {
                 Ok(guard) => return Ok(guard),

@@ -6,6 +6,8 @@
 //! requests by (backend, model, code), upstream responses by (backend, code), duration and
 //! time to first byte by (backend, model) — have few label sets, so each handle is resolved
 //! the first time its label set is met and found again by a lookup with borrowed strings.
+//! Series with no label or a fixed one (scheduling duration, prefix match ratio, precise
+//! candidates) are resolved once for the process.
 //!
 //! Readers never wait: the table is an `arc-swap` snapshot, replaced (copy, insert, store)
 //! under a mutex only by the first request of a new label set. The labels come from the
@@ -21,7 +23,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use arc_swap::ArcSwap;
 use metrics::{Counter, Histogram};
 
-use super::{REQUESTS_TOTAL, REQUEST_DURATION, TIME_TO_FIRST_BYTE, UPSTREAM_RESPONSES};
+use super::{
+    KV_PRECISE_DECISIONS, PREFIX_MATCH_RATIO, REQUESTS_TOTAL, REQUEST_DURATION,
+    SCHEDULING_DURATION, TIME_TO_FIRST_BYTE, UPSTREAM_RESPONSES,
+};
 
 /// Label sets kept per table.
 pub const MAX_ENTRIES: usize = 16_384;
@@ -129,6 +134,30 @@ pub fn latency(backend: &str, model: &str) -> Latency {
         duration: metrics::histogram!(REQUEST_DURATION, "backend" => backend.to_owned(), "model" => model.to_owned()),
         first_byte: metrics::histogram!(TIME_TO_FIRST_BYTE, "backend" => backend.to_owned(), "model" => model.to_owned()),
     })
+}
+
+/// `inferlb_scheduling_duration_seconds` (one record per scheduling pass).
+pub fn scheduling_duration() -> &'static Histogram {
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| metrics::histogram!(SCHEDULING_DURATION))
+}
+
+/// `inferlb_prefix_match_ratio` (one record per pick).
+pub fn prefix_match_ratio() -> &'static Histogram {
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| metrics::histogram!(PREFIX_MATCH_RATIO))
+}
+
+/// `inferlb_prefix_precise_candidates_total{source}`: `precise` or `approximate`.
+pub fn precise_candidates(precise: bool) -> &'static Counter {
+    static PRECISE: OnceLock<Counter> = OnceLock::new();
+    static APPROXIMATE: OnceLock<Counter> = OnceLock::new();
+    if precise {
+        PRECISE.get_or_init(|| metrics::counter!(KV_PRECISE_DECISIONS, "source" => "precise"))
+    } else {
+        APPROXIMATE
+            .get_or_init(|| metrics::counter!(KV_PRECISE_DECISIONS, "source" => "approximate"))
+    }
 }
 
 #[cfg(test)]

@@ -636,13 +636,11 @@ impl PrefixCacheScorer {
         let returned = self.returned_prefix(&hashes, &ids, &matched) || evicted_precisely(&out);
         self.replicate(request, candidates, &hashes, &matched, &mut out);
         if !precise.is_empty() {
-            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "precise")
-                .increment(precise.len() as u64);
+            t::handles::precise_candidates(true).increment(precise.len() as u64);
         }
         let approximate = candidates.len().saturating_sub(precise.len());
         if approximate > 0 && n > 0 {
-            metrics::counter!(t::KV_PRECISE_DECISIONS, "source" => "approximate")
-                .increment(approximate as u64);
+            t::handles::precise_candidates(false).increment(approximate as u64);
         }
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
         let decision = state.decision();
@@ -972,7 +970,7 @@ impl Plugin for PrefixCacheScorer {
         if new_prefix {
             backend.work().note_placed(now_ms());
         }
-        metrics::histogram!(t::PREFIX_MATCH_RATIO).record(matched as f64 / hashes.len() as f64);
+        t::handles::prefix_match_ratio().record(matched as f64 / hashes.len() as f64);
         crate::scheduling::profile::decisions::note_prefix(matched, hashes.len());
         let state = backend.state();
         self.index.record(
