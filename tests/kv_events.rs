@@ -350,7 +350,7 @@ async fn precise_new_prefix(name: &str, params: &str) -> (String, String, String
         .send(&[stored(2_000, None, &hot)])
         .await;
     until_kv(&addr, &y, |k| k["blocks"] == 9).await;
-    // A hundred hot prompts: Y carries more than 1.5 × the mean recent traffic (the slack), X
+    // A hundred hot prompts: Y carries more than the mean recent traffic, from a hot prefix, X
     // far less.
     for _ in 0..99 {
         assert_eq!(
@@ -371,7 +371,7 @@ async fn precise_new_prefix(name: &str, params: &str) -> (String, String, String
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_precise_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
     // Every candidate is scored precisely: precise_room_work_weight = 1 places the prefix by
-    // traffic (Y is over the slack), not by the caches' fill, which picks Y by default.
+    // traffic (Y's excess is a hot prefix's), not by the caches' fill, which picks Y by default.
     let (x, _y, new) = precise_new_prefix("idler", "precise_room_work_weight = 1.0").await;
     assert_eq!(
         new, x,

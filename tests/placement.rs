@@ -115,16 +115,20 @@ async fn with_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
 }
 
 #[tokio::test]
-async fn traffic_moves_a_new_prefix_only_off_a_backend_over_the_slack() {
+async fn only_a_hot_prefixs_traffic_moves_a_new_prefix() {
     // Y carries about 2,000 tokens and X 1,000, and each was given one new prefix, counted at
-    // half the average prefix's traffic (750): 2,750 and 1,750. Y is under 1.5 × their mean
-    // (3,375), so the default slack leaves the new prefix to fill (Y, the emptier)…
-    let (_x, y, new) = place_new_prefix("room_work_weight = 1.0", 20).await;
+    // half the average prefix's traffic (750): 2,750 and 1,750. Y's excess over their mean came
+    // from one prefix bringing more than half a backend's mean work (hot): traffic moves the
+    // new prefix to X…
+    let (x, _y, new) = place_new_prefix("room_work_weight = 1.0", 20).await;
+    assert_eq!(new, x, "a hot prefix's excess moves it");
+    // …while with no prefix counted hot (a share no prefix reaches) the same excess is
+    // traffic spread over prefixes, and fill places it (Y, the emptier).
+    let (_x, y, new) = place_new_prefix("room_work_weight = 1.0\nroom_hot_share = 1000.0", 20).await;
+    assert_eq!(new, y, "an excess from no hot prefix is left to fill");
+    // A slack over the excess leaves it to fill as well (Y: 2,750 < 1.5 × 2,250).
+    let (_x, y, new) = place_new_prefix("room_work_weight = 1.0\nroom_work_slack = 0.5", 20).await;
     assert_eq!(new, y, "within the slack, fill decides");
-    // …and with 150 hot prompts (15,000 + 4,000 tokens against a bound of 18,000) traffic
-    // moves it to X.
-    let (x, _y, new) = place_new_prefix("room_work_weight = 1.0", 150).await;
-    assert_eq!(new, x, "over the slack, traffic decides");
 }
 
 /// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given.

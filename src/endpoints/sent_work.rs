@@ -42,6 +42,9 @@ pub struct SentWork {
     recent: Recent,
     /// New prefixes placed here lately (the prefix-cache scorer's count).
     placed: Recent,
+    /// Recent prompt tokens of requests whose prefix was hot when they were sent (the
+    /// prefix-cache scorer's count).
+    hot: Recent,
 }
 
 /// A quantity that decays with a half-life of [`RECENT_HALF_LIFE_MS`]: one atomic word (the
@@ -149,6 +152,16 @@ impl SentWork {
     /// New prefixes placed here lately (one-minute half-life), decayed to `now_ms`.
     pub fn recent_placed(&self, now_ms: u64) -> f64 {
         self.placed.get(now_ms)
+    }
+
+    /// A request of `tokens` prompt tokens whose prefix was hot was sent here at `now_ms`.
+    pub fn note_hot(&self, tokens: f64, now_ms: u64) {
+        self.hot.add(tokens, now_ms);
+    }
+
+    /// Recent prompt tokens of hot prefixes sent here, decayed to `now_ms`.
+    pub fn recent_hot(&self, now_ms: u64) -> f64 {
+        self.hot.get(now_ms)
     }
 
     /// Recent prompt tokens sent (see the module doc), decayed to `now_ms`.

@@ -563,6 +563,7 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "prefill": b.work().prefill_tokens(),
                     "decode": b.work().decode_tokens(),
                     "recent": b.work().recent_tokens(crate::clock::now_ms()).round(),
+                    "recent_hot": b.work().recent_hot(crate::clock::now_ms()).round(),
                 },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,

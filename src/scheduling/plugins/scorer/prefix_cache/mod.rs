@@ -252,6 +252,9 @@ struct Params {
     /// How far over the candidates' mean traffic a candidate may be before placing by
     /// traffic moves new prefixes off it (module doc).
     room_work_slack: f64,
+    /// A prefix whose recent traffic is at least this share of the candidates' mean recent
+    /// work is hot; only its traffic moves new prefixes off a backend (module doc).
+    room_hot_share: f64,
     /// Hot-prefix replication: a prefix whose recent traffic per holder is at least this share
     /// of a backend's fair share may be given to one more backend (0: never; module doc).
     replicate_share: f64,
@@ -281,7 +284,8 @@ impl Default for Params {
             precise_room_work_weight: 0.0,
             room_thrash_limit: 0.02,
             room_placed_weight: 0.5,
-            room_work_slack: 0.5,
+            room_work_slack: 0.0,
+            room_hot_share: 0.5,
             replicate_share: 0.0,
             replicate_min_prompts: 4.0,
             replicate_overload: 0.1,
@@ -362,6 +366,8 @@ struct Scratch {
     returned: bool,
     /// (backend id, chain index, blocks held) for each candidate scored precisely.
     precise: Vec<(usize, usize, usize)>,
+    /// The candidates' mean recent work when last scored (what makes a prefix hot).
+    fair: f64,
 }
 
 struct Chain {
@@ -436,8 +442,11 @@ impl PrefixCacheScorer {
                 "room_placed_weight must be ≥ 0",
             ));
         }
-        if !non_negative(params.room_work_slack) {
-            return Err(ConfigError::invalid(field, "room_work_slack must be ≥ 0"));
+        if !non_negative(params.room_work_slack) || !non_negative(params.room_hot_share) {
+            return Err(ConfigError::invalid(
+                field,
+                "room_work_slack and room_hot_share must be ≥ 0",
+            ));
         }
         if !(params.room_thrash_limit > 0.0 && params.room_thrash_limit.is_finite()) {
             return Err(ConfigError::invalid(field, "room_thrash_limit must be > 0"));
@@ -642,6 +651,12 @@ impl PrefixCacheScorer {
         if approximate > 0 && n > 0 {
             t::handles::precise_candidates(false).increment(approximate as u64);
         }
+        let now = now_ms();
+        let fair = candidates
+            .iter()
+            .map(|c| c.backend.work().recent_tokens(now))
+            .sum::<f64>()
+            / candidates.len().max(1) as f64;
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
         let decision = state.decision();
         state.put(
@@ -655,6 +670,7 @@ impl PrefixCacheScorer {
                 chains,
                 precise,
                 returned,
+                fair,
             },
         );
     }
@@ -790,6 +806,32 @@ impl PrefixCacheScorer {
             recalled: now_held.recalled,
             ..holds
         };
+    }
+
+    /// Count the request's prompt tokens in its prefixes' recent traffic (`keys`: its chain
+    /// hashes, `held` of them held by `backend`, which took it) and, when the prefix it reuses
+    /// (the first half of what was held: the part its group shares) was hot, in the backend's
+    /// hot work: the prefix brought at least `room_hot_share` × `fair` (the candidates' mean
+    /// recent work) and `replicate_min_prompts` prompts' worth lately. Returns the tokens.
+    fn count_traffic(
+        &self,
+        request: &RequestView,
+        backend: &Backend,
+        keys: &[u64],
+        held: usize,
+        fair: f64,
+    ) -> f64 {
+        let now = now_ms();
+        let tokens = request.estimated_prompt_tokens() as f64;
+        if held > 0 {
+            let p = &self.params;
+            let r = self.traffic.recent(keys, held.div_ceil(2), now);
+            if r > 0.0 && r >= p.room_hot_share * fair && r >= p.replicate_min_prompts * tokens {
+                backend.work().note_hot(tokens, now);
+            }
+        }
+        self.traffic.record(keys, tokens, now);
+        tokens
     }
 
     /// The prompt's length in tokens: its token ids when known, else its routing text's
@@ -929,9 +971,11 @@ impl Plugin for PrefixCacheScorer {
         };
         let mut new_prefix = false;
         let mut returned = false;
+        let mut fair = 0.0;
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
             new_prefix = is_new_prefix(scratch);
             returned = scratch.returned;
+            fair = scratch.fair;
             let picked = scratch
                 .matched
                 .iter()
@@ -959,8 +1003,7 @@ impl Plugin for PrefixCacheScorer {
         // Once per request: a P/D prefill step is the same request's traffic again.
         if request.roles != RoleScope::PrefillStep {
             let now = now_ms();
-            let tokens = request.estimated_prompt_tokens() as f64;
-            self.traffic.record(hashes, tokens, now);
+            let tokens = self.count_traffic(request, backend, hashes, matched, fair);
             self.routed.add(tokens, now);
             if returned {
                 self.returned.add(tokens, now);
@@ -1062,14 +1105,20 @@ impl Scorer for PrefixCacheScorer {
                         .map(|(w, p)| w + self.params.room_placed_weight * p * per_prefix)
                         .collect();
                     let (_, bound) = fair_and_bound(&load, self.params.room_work_slack);
-                    // Nobody over the slack: traffic says nothing fill does not, and
-                    // blending in a tie would only wash out fill's ranking.
-                    if load.iter().any(|l| *l > bound) {
+                    // Only hot prefixes' traffic moves a new prefix: a backend's excess over
+                    // the bound, up to what its hot prefixes brought. Spread over many
+                    // prefixes, an excess is noise or traffic still to come, which fill
+                    // places as well.
+                    let excess: Vec<f64> = load
+                        .iter()
+                        .zip(candidates)
+                        .map(|(l, c)| (l - bound).min(c.backend.work().recent_hot(now)).max(0.0))
+                        .collect();
+                    // Nobody over: traffic says nothing fill does not, and blending in a tie
+                    // would only wash out fill's ranking.
+                    if excess.iter().any(|e| *e > 0.0) {
                         let mut by_work = vec![0.0; candidates.len()];
-                        lower_is_better(
-                            load.iter().map(|l| Some((l - bound).max(0.0))),
-                            &mut by_work,
-                        );
+                        lower_is_better(excess.iter().map(|e| Some(*e)), &mut by_work);
                         for (room, w) in room.iter_mut().zip(&by_work) {
                             *room = (1.0 - t) * *room + t * w;
                         }

@@ -113,7 +113,8 @@ fn room_by_traffic_weighs_in_as_the_caches_are_free() {
     fill_4_2_0(&s, &b, &none);
     // …and recent traffic 0, 2,000, 8,000 tokens, as of now: the mean is 3,333, so only the
     // third is over the slack (5,000) and traffic moves the new prefix off it alone (room by
-    // traffic 1, 1, 0; ranking all three by traffic would give 1, 0.75, 0).
+    // traffic 1, 1, 0; ranking all three by traffic would give 1, 0.75, 0), once that traffic
+    // is a hot prefix's.
     let now = now_ms();
     b[0].work().note_sent(0, now);
     b[1].work().note_sent(2_000, now);
@@ -135,6 +136,11 @@ fn room_by_traffic_weighs_in_as_the_caches_are_free() {
             "{got:?} != {want:?}"
         );
     };
+    // An excess that no hot prefix brought is left to fill, even with idle caches…
+    let (scores, _) = score(&s, &view("xxxxyyyy"), &with_kv(0.0));
+    close(&scores, &[0.0, 0.5, 1.0]);
+    // …and once the third backend's traffic came from a hot prefix, traffic places it.
+    b[2].work().note_hot(8_000.0, now);
     // Idle caches: traffic alone places the new prefix (t = 1).
     let (scores, _) = score(&s, &view("xxxxyyyy"), &with_kv(0.0));
     close(&scores, &[1.0, 1.0, 0.0]);
