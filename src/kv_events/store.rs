@@ -170,6 +170,8 @@ pub struct BlockStore {
     /// events (0: none outstanding).
     expect_since: AtomicU64,
     last_message_ms: AtomicU64,
+    /// `now_ms() + 1` when the events last reported a block evicted (0: never).
+    last_removed_ms: AtomicU64,
     quiet_ms: AtomicU64,
     connected: AtomicBool,
     stats: Stats,
@@ -234,6 +236,12 @@ impl BlockStore {
     /// The block size the events report (0 until the first `BlockStored`).
     pub fn block_size(&self) -> usize {
         self.block_size.load(Ordering::Relaxed) as usize
+    }
+
+    /// Did the events report a block evicted within `window_ms` before `now`?
+    pub fn evicted_within(&self, now: u64, window_ms: u64) -> bool {
+        let last = self.last_removed_ms.load(Ordering::Relaxed);
+        last != 0 && now.saturating_add(1).saturating_sub(last) <= window_ms
     }
 
     /// Blocks held (distinct hashes of ours).
@@ -391,6 +399,10 @@ impl BlockStore {
                     self.stats
                         .removed
                         .fetch_add(block_hashes.len() as u64, Ordering::Relaxed);
+                    if !block_hashes.is_empty() {
+                        self.last_removed_ms
+                            .store(now.saturating_add(1), Ordering::Relaxed);
+                    }
                 }
                 Event::AllCleared => {
                     drop(ingest);

@@ -642,7 +642,8 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
-        let returned = self.returned_prefix(&hashes, &ids, &matched) || evicted_precisely(&out);
+        let returned = self.returned_prefix(&hashes, &ids, &matched)
+            || evicted_precisely(&out, candidates, now_ms());
         self.replicate(request, candidates, &hashes, &matched, &mut out);
         if !precise.is_empty() {
             t::handles::precise_candidates(true).increment(precise.len() as u64);
@@ -910,14 +911,23 @@ fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
 
 /// Does a live backend's own report say the prompt's prefix came back after its cache dropped
 /// it: the router sent at least half of the prompt's blocks to a backend scored precisely
-/// (`recalled`), and no candidate now holds within half of that? The ghost cannot say so when
-/// the router's record of a cache is larger than the cache (its capacity is estimated in
-/// characters), and the events can.
-fn evicted_precisely(held: &[Held]) -> bool {
+/// (`recalled`) whose events reported an eviction within the last minute, and no candidate
+/// now holds within half of that? The ghost cannot say so when the router's record of a cache
+/// is larger than the cache (its capacity is estimated in characters), and the events can. A
+/// cache that evicted nothing lately cannot have dropped it: the blocks are late (a request
+/// still queued past the in-flight time) or were never named alike (on two real vLLM servers
+/// with no eviction at all, 1–2 such prompts in 56 closed the thrash gate).
+fn evicted_precisely(held: &[Held], candidates: &[Candidate<'_>], now: u64) -> bool {
     let sent = held
         .iter()
-        .filter(|h| h.precise)
-        .map(|h| h.recalled)
+        .zip(candidates)
+        .filter(|(h, c)| {
+            h.precise
+                && c.backend
+                    .kv()
+                    .evicted_within(now, crate::endpoints::sent_work::RECENT_HALF_LIFE_MS)
+        })
+        .map(|(h, _)| h.recalled)
         .fold(0.0, f64::max);
     let holds = held.iter().map(Held::ratio).fold(0.0, f64::max);
     sent >= 0.5 && sent - holds >= 0.5
