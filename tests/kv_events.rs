@@ -380,3 +380,50 @@ async fn with_precise_room_work_weight_a_new_prefix_goes_to_the_idler_backend() 
     let (_x, y, new) = precise_new_prefix("idler-off", "").await;
     assert_eq!(new, y, "fill decides by default");
 }
+
+/// The unlabelled Prometheus sample `name` on `router`'s `/metrics` (0 when absent).
+async fn sample_at(router: &str, name: &str) -> f64 {
+    let m = metrics_at(router).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_missing_from_a_cache_that_evicted_nothing_has_not_come_back() {
+    // Blocks sent count as held for 1 ms only: a prompt whose events never came is missing at
+    // once.
+    let Pair {
+        a,
+        b: _b,
+        mut pa,
+        mut pb,
+        r,
+    } = live_pair(
+        "returns",
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\ninflight_ms = 1\n",
+    )
+    .await;
+    let addr = r.addr.clone();
+    let p = prompt(7, 4);
+    let x = route(&addr, &p).await;
+    let publisher = if x == a.url() { &mut pa } else { &mut pb };
+    // X reports other blocks (its stream stays live), never the prompt's.
+    publisher.send(&[stored(3_000, None, &prompt(8, 1))]).await;
+    until_kv(&addr, &x, |k| k["blocks"] == 2 && k["status"] == "live").await;
+    route(&addr, &p).await;
+    assert_eq!(
+        sample_at(&addr, "inferlb_prefix_returns_total").await,
+        0.0,
+        "X evicted nothing: the prompt's blocks are late or were named otherwise"
+    );
+    // Once X's events report an eviction, the same miss counts as the prefix coming back.
+    publisher.send(&[removed(&[3_000])]).await;
+    until_kv(&addr, &x, |k| k["blocks_removed"] == 1 && k["status"] == "live").await;
+    route(&addr, &p).await;
+    assert_eq!(
+        sample_at(&addr, "inferlb_prefix_returns_total").await,
+        1.0
+    );
+    stop(r);
+}

@@ -280,10 +280,10 @@ impl Default for Params {
             precise_max_blocks: 8_192,
             inflight_ms: 2_000,
             memory_weight: 1.0,
-            room_work_weight: 0.0,
-            precise_room_work_weight: 0.0,
+            room_work_weight: 1.0,
+            precise_room_work_weight: 1.0,
             room_thrash_limit: 0.02,
-            room_placed_weight: 0.5,
+            room_placed_weight: 0.0,
             room_work_slack: 0.0,
             room_hot_share: 0.5,
             replicate_share: 0.0,
@@ -398,6 +398,8 @@ pub struct PrefixCacheScorer {
     /// Recent prompt tokens routed, and those of prompts whose prefix came back after a cache
     /// dropped it ([`PrefixIndex::returned`]): the fleet's thrash.
     routed: Recent,
+    /// Recent prompts routed (the count of `routed`'s requests).
+    routed_prompts: Recent,
     returned: Recent,
 }
 
@@ -474,6 +476,7 @@ impl PrefixCacheScorer {
             decisions: AtomicU64::new(0),
             traffic: PrefixTraffic::default(),
             routed: Recent::default(),
+            routed_prompts: Recent::default(),
             returned: Recent::default(),
         })
     }
@@ -691,11 +694,15 @@ impl PrefixCacheScorer {
     }
 
     /// The fleet's recent thrash: the share of recent prompt tokens whose prefix came back
-    /// after a cache dropped it (0 before any traffic).
+    /// after a cache dropped it; 0 before any traffic and while fewer than
+    /// [`THRASH_MIN_PROMPTS`] prompts' worth came back (one or two returns are a rate only
+    /// over a long run: on 56 requests a single one is 1.8 %, and closed the gate at 2 %).
     pub fn thrash(&self, now: u64) -> f64 {
         let routed = self.routed.get(now);
-        if routed > 0.0 {
-            (self.returned.get(now) / routed).clamp(0.0, 1.0)
+        let prompts = self.routed_prompts.get(now);
+        let returned = self.returned.get(now);
+        if routed > 0.0 && prompts > 0.0 && returned >= THRASH_MIN_PROMPTS * routed / prompts {
+            (returned / routed).clamp(0.0, 1.0)
         } else {
             0.0
         }
@@ -940,6 +947,10 @@ fn fair_and_bound(load: &[f64], slack: f64) -> (f64, f64) {
     (fair, (1.0 + slack) * fair)
 }
 
+/// Prompts' worth of returns (at the mean prompt's length) below which the fleet is not
+/// counted as thrashing.
+const THRASH_MIN_PROMPTS: f64 = 4.0;
+
 /// How much less the holders over their load bound score than the copy taking their request.
 const OVERFLOW_YIELD: f64 = 0.01;
 
@@ -1015,6 +1026,7 @@ impl Plugin for PrefixCacheScorer {
             let now = now_ms();
             let tokens = self.count_traffic(request, backend, hashes, matched, fair);
             self.routed.add(tokens, now);
+            self.routed_prompts.add(1.0, now);
             if returned {
                 self.returned.add(tokens, now);
                 metrics::counter!(t::PREFIX_RETURNS).increment(1);
