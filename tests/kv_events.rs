@@ -369,16 +369,17 @@ async fn precise_new_prefix(name: &str, params: &str) -> (String, String, String
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_precise_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
-    // Every candidate is scored precisely: precise_room_work_weight = 1 places the prefix by
-    // traffic (Y's excess is a hot prefix's), not by the caches' fill, which picks Y by default.
-    let (x, _y, new) = precise_new_prefix("idler", "precise_room_work_weight = 1.0").await;
+async fn a_new_prefix_goes_to_the_idler_backend_by_default() {
+    // Every candidate is scored precisely: by default the prefix is placed by traffic (Y's
+    // excess is a hot prefix's), not by the caches' fill, which picks Y with
+    // precise_room_work_weight = 0.
+    let (x, _y, new) = precise_new_prefix("idler", "").await;
     assert_eq!(
         new, x,
         "traffic decides while the caches are idle and not thrashing"
     );
-    let (_x, y, new) = precise_new_prefix("idler-off", "").await;
-    assert_eq!(new, y, "fill decides by default");
+    let (_x, y, new) = precise_new_prefix("idler-off", "precise_room_work_weight = 0.0").await;
+    assert_eq!(new, y, "fill decides with the weight at 0");
 }
 
 /// The unlabelled Prometheus sample `name` on `router`'s `/metrics` (0 when absent).

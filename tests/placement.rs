@@ -1,7 +1,7 @@
 //! Where a prefix goes, through the real router: a prefix nobody holds by the caches' fill
-//! (the default) or by the backends' recent traffic (`room_work_weight = 1`), the new prefixes
-//! each was just given counted at an average prefix's traffic, and by fill again while the
-//! caches thrash; and a hot prefix whose holder takes too much of the traffic to a second
+//! (`room_work_weight = 0`) or by the backends' recent traffic (the default) while that traffic
+//! is a hot prefix's, the new prefixes each was just given counted (optionally) at an average
+//! prefix's traffic, and by fill again while the caches thrash; and a hot prefix whose holder takes too much of the traffic to a second
 //! holder (hot-prefix replication).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -103,7 +103,7 @@ async fn place_new_prefix(room: &str, hot: usize) -> (String, String, String) {
 }
 
 #[tokio::test]
-async fn by_default_a_new_prefix_goes_to_the_emptiest_cache() {
+async fn without_room_work_weight_a_new_prefix_goes_to_the_emptiest_cache() {
     let (_x, y, new) = place_new_prefix("room_work_weight = 0.0", 20).await;
     assert_eq!(new, y, "fill decides: Y holds only the short hot prefix");
 }

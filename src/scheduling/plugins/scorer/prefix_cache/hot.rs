@@ -1,5 +1,5 @@
-//! How much traffic each prompt prefix has brought lately, for hot-prefix replication (see
-//! the parent module's doc).
+//! How much traffic each prompt prefix has brought lately: what makes a prefix hot, for placement
+//! by traffic and for hot-prefix replication (see the parent module's doc).
 //!
 //! A prefix is named by the routing text's chain hash at a block depth (the hash covers every
 //! block before it). After each pick the request's prompt tokens are added at the depths 1, 2,

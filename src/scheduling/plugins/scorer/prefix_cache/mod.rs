@@ -27,70 +27,64 @@
 //!
 //! Filling evenly is not loading evenly when prefixes differ in popularity: a hot prefix's
 //! holder gets as many new prefixes as anyone, and takes the hot traffic on top (on two real
-//! vLLM servers with Zipf-skewed groups, 61–68 % of the prompt tokens). With
-//! `room_work_weight = w` the room is judged partly by each candidate's recent traffic
-//! (`work`: prompt tokens sent to it, decayed with a one-minute half-life, see
-//! [`crate::endpoints::sent_work`]), in a share that shrinks as the caches get busy (`kv`: the
-//! candidates' mean KV-cache usage, 0.5 when none is known) and closes while they thrash
-//! (`thrash`: the share of recent prompt tokens, one-minute half-life, whose prefix came back
-//! after the backend holding the most of it had evicted the next block, told by each
-//! backend's ghost of recent evictions, see [`index`]):
+//! vLLM servers with Zipf-skewed groups, 61–68 % of the prompt tokens). So the room is judged
+//! partly by each candidate's recent traffic (`work`: prompt tokens sent to it, decayed with a
+//! one-minute half-life, see [`crate::endpoints::sent_work`]), but only by the part of it that
+//! hot prefixes brought (`hot`: the prompt tokens of requests whose prefix was hot when they
+//! were sent, same half-life). A prefix is hot when its recent traffic (the first half of what
+//! the chosen backend held of the prompt: the part its group shares, read in [`hot`]'s table)
+//! is at least `room_hot_share` (0.5) × the candidates' mean work and `replicate_min_prompts`
+//! prompts' worth. With `w` the weight (`precise_room_work_weight` when every candidate is scored
+//! from live KV events, else `room_work_weight`; both 1 by default), `kv` the candidates' mean
+//! KV-cache usage (0.5 when none is known) and `thrash` the share of recent prompt tokens
+//! (one-minute half-life) whose prefix came back after the backend holding the most of it had
+//! evicted the next block (below):
 //!
 //! ```text
 //! t       = w · (1 − kv) · max(0, 1 − thrash / room_thrash_limit)
-//! excess  = max(0, load − (1 + room_work_slack) · mean(load))     (load: work, see below)
+//! load    = work + room_placed_weight · placed · Σ work ÷ Σ placed     (weight 0.5)
+//! excess  = max(0, min(hot, load − (1 + room_work_slack) · mean(load)))   (slack 0)
 //! room    = (1 − t) · room_by_fill + t · room_by_excess   (each min–max scaled as above)
 //! ```
 //!
-//! Only a candidate over the slack is moved off (and while none is, fill alone places): with the
-//! default slack (0.5) traffic places a new prefix only away from a backend carrying half as much
-//! again as the average, which a hot prefix does and noise does not. Ranking every candidate by its
-//! traffic instead (slack 0 and below-mean candidates ranked too) let the lag of a new prefix's
-//! traffic pile the groups of a uniform workload onto a few backends: the simulator's TTFT p90 at
-//! 73 % pressure went from 0.19 s (fill only) to 3.4–6.2 s, with hits 0.86 → 0.75–0.78, whatever
-//! the thrash limit (0.002–0.02); slack 0.25 did the same, and slack 0.5 kept the uniform and Zipf
-//! runs level with fill (0.145 s against 0.139 s, 0.109 s against 0.099 s, one run each: within
-//! this simulator's run-to-run spread; `bench/results/sim-26-{slack,final}-*-2026-12-06.md`). With
-//! two backends the slack fires only past a 75 % share of the traffic. Over three runs on Zipf the
-//! median was 0.105 s against 0.098 s by fill (worse in each run, busiest share 33 % in both), so
-//! `precise_room_work_weight` stays 0 by default
-//! (`bench/results/sim-26-final-zipf-median3-2026-12-06.md`).
+//! and while no candidate has an excess, fill alone places (blending in a tie would wash out
+//! its ranking). An excess spread over many prefixes is noise or the traffic of prefixes placed
+//! a moment ago, still to arrive; fill places those as well as traffic does. Ranking by any
+//! excess (no hot gate) let that lag pile the groups of a uniform workload onto a few backends:
+//! in the simulator at 73 % cache pressure TTFT p90 went from 0.19 s (fill only) to 3.4–6.2 s,
+//! hits 0.86 → 0.75–0.78, whatever the thrash limit; a slack of 0.5 over the mean avoided that
+//! but on two backends fires only past a 75 % share. With the hot gate, two real vLLM servers,
+//! Zipf: see the README (Routing quality, fifth round) for the busiest server's share and the
+//! hit rate against the bound (`bench/results/real-vllm-2026-12-06-*26-default*.md`).
 //!
-//! The thrash term is closed-loop: placing by traffic gives the idler backends more distinct
-//! prefixes, harmless while their caches hold them, and the moment their caches start
-//! dropping prefixes that are asked for again, placement goes back to filling evenly.
-//! Mean KV usage cannot say this: an engine's usage counts only running requests' blocks
-//! (about 0 between requests on two real vLLM servers whose caches were full of reusable
-//! prefixes), and the index's fill is full as soon as the router has sent a cache's worth.
+//! `thrash` is closed-loop: placing by traffic gives the idler backends more distinct prefixes,
+//! harmless while their caches hold them, and the moment their caches start dropping prefixes
+//! that are asked for again, placement goes back to filling evenly. It counts only from four
+//! prompts' worth of returns ([`THRASH_MIN_PROMPTS`]): on 56 requests one return is 1.8 %, and
+//! a single one had closed the gate. Mean KV usage cannot say this: an engine's usage counts
+//! only running requests' blocks (about 0 between requests on two real vLLM servers whose
+//! caches were full of reusable prefixes), and the index's fill is full as soon as the router
+//! has sent a cache's worth. Returns are told by each backend's ghost of recent evictions (see
+//! [`index`]) and, for a candidate scored from live KV events, by its events: a prefix the
+//! router sent there and that it no longer holds, if its events reported an eviction within
+//! the last minute (a cache that evicted nothing cannot have dropped it: its blocks are late).
 //!
-//! The gate needs evictions to be seen. A live KV-event stream reports them, so when every
-//! candidate is scored precisely the weight is `precise_room_work_weight` (0 by default, see
-//! above); an approximate candidate's evictions are only the router's guess (its capacity
-//! estimate counts characters, and a guess twice the real cache never evicts: thrash stays 0
-//! while the real cache drops prefixes), so otherwise the weight is `room_work_weight` (0 by
-//! default).
+//! `room_placed_weight` (0.5) counts each new prefix (held nowhere when placed) a backend was
+//! given lately (`placed`, one-minute half-life) at that many average prefixes' traffic before
+//! its traffic arrives. With the hot gate, 0 balanced the real-vLLM Zipf runs better (52 %
+//! against 56–59 %) but on the simulator at 73 % pressure handed the idler backends more groups
+//! than their caches kept (Zipf hit rate 0.892 against 0.909, TTFT p90 0.142 s against 0.106 s,
+//! `bench/results/sim-26-default5-zipf-2026-12-06.md`), so it stays 0.5.
 //!
-//! Balancing traffic moves new prefixes off the hot backend, so the others hold more distinct
-//! prefixes: harmless while their caches have room, a source of evictions and preemptions
-//! when they are full (w = 1 alone raised the simulator's TTFT p90 at 73 % cache pressure from
-//! 0.10 s to 0.17 s). Two rules narrow that cost; with both, the simulator's TTFT p90 at that
-//! pressure still rose by about a sixth (Zipf, medians of 3, 2026-12-04), so `w` stays 0 by
-//! default and `bench/policies/balanced.toml` turns both on (README, Routing quality):
+//! Caches with room for every prefix are not the gate: on the simulator at 73 % pressure
+//! placement by traffic among the caches whose KV events left room for the prompt lost the
+//! uniform workload as badly (5.0 s TTFT p90): they have room only while warming up, which is
+//! when every group is placed (`bench/results/sim-26-free-*-2026-12-06.md`).
 //!
-//! * **new prefixes count ahead of their traffic**: each backend counts the new prefixes
-//!   (held nowhere when placed) it was given lately (`placed`, one-minute half-life), and the
-//!   traffic that ranks the candidates is
-//!   `work + room_placed_weight · placed · Σ work ÷ Σ placed` (weight 0.5): a prefix placed
-//!   a moment ago has brought one request, and will bring about what the average prefix does
-//!   (half of it counted: on two real vLLM servers 0.5 kept both the uniform and the Zipf
-//!   workloads at the bound and balanced where 1 and 2 lost hits on Zipf). Without it, a
-//!   backend that was idle for a few seconds took every new prefix of a uniform workload
-//!   (9 of 14 groups on two real vLLM servers: 64 % of the prompt tokens, evictions, 0.92 of
-//!   the hit-rate bound);
-//! * **hot-prefix replication**, which balances with the hot prefix itself instead of with
-//!   the cold ones: a prefix that alone brings its holder more than its share is given a
-//!   second holder, which costs one prefill of it, and its traffic is split by a load bound
-//!   (below).
+//! **Hot-prefix replication** (opt-in, `replicate_share`) balances with the hot prefix itself
+//! instead of with the cold ones: a prefix that alone brings its holder more than its share is
+//! given a second holder, which costs one prefill of it, and its traffic is split by a load
+//! bound (below).
 //!
 //! # Hot-prefix replication and bounded load
 //!
@@ -283,7 +277,7 @@ impl Default for Params {
             room_work_weight: 1.0,
             precise_room_work_weight: 1.0,
             room_thrash_limit: 0.02,
-            room_placed_weight: 0.0,
+            room_placed_weight: 0.5,
             room_work_slack: 0.0,
             room_hot_share: 0.5,
             replicate_share: 0.0,
