@@ -420,11 +420,11 @@ async fn a_prefix_missing_from_a_cache_that_evicted_nothing_has_not_come_back() 
     );
     // Once X's events report an eviction, the same miss counts as the prefix coming back.
     publisher.send(&[removed(&[3_000])]).await;
-    until_kv(&addr, &x, |k| k["blocks_removed"] == 1 && k["status"] == "live").await;
+    until_kv(&addr, &x, |k| {
+        k["blocks_removed"] == 1 && k["status"] == "live"
+    })
+    .await;
     route(&addr, &p).await;
-    assert_eq!(
-        sample_at(&addr, "inferlb_prefix_returns_total").await,
-        1.0
-    );
+    assert_eq!(sample_at(&addr, "inferlb_prefix_returns_total").await, 1.0);
     stop(r);
 }

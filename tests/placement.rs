@@ -124,7 +124,8 @@ async fn only_a_hot_prefixs_traffic_moves_a_new_prefix() {
     assert_eq!(new, x, "a hot prefix's excess moves it");
     // …while with no prefix counted hot (a share no prefix reaches) the same excess is
     // traffic spread over prefixes, and fill places it (Y, the emptier).
-    let (_x, y, new) = place_new_prefix("room_work_weight = 1.0\nroom_hot_share = 1000.0", 20).await;
+    let (_x, y, new) =
+        place_new_prefix("room_work_weight = 1.0\nroom_hot_share = 1000.0", 20).await;
     assert_eq!(new, y, "an excess from no hot prefix is left to fill");
     // A slack over the excess leaves it to fill as well (Y: 2,750 < 1.5 × 2,250).
     let (_x, y, new) = place_new_prefix("room_work_weight = 1.0\nroom_work_slack = 0.5", 20).await;
