@@ -639,9 +639,17 @@ impl PrefixCacheScorer {
                 None => Held::default(),
             };
         }
+        let now = now_ms();
+        // Each candidate's recent work, read once for the decision: the bounded load and
+        // replication judge by it, and its mean makes a prefix hot (`Scratch::fair`).
+        let work: Vec<f64> = candidates
+            .iter()
+            .map(|c| c.backend.work().recent_tokens(now))
+            .collect();
+        let (fair, _) = fair_and_bound(&work, 0.0);
         let returned = self.returned_prefix(&hashes, &ids, &matched)
-            || evicted_precisely(&out, candidates, now_ms());
-        self.replicate(request, candidates, &hashes, &matched, &mut out);
+            || evicted_precisely(&out, candidates, now);
+        self.replicate(request, &work, now, &hashes, &matched, &mut out);
         if !precise.is_empty() {
             t::handles::precise_candidates(true).increment(precise.len() as u64);
         }
@@ -649,12 +657,6 @@ impl PrefixCacheScorer {
         if approximate > 0 && n > 0 {
             t::handles::precise_candidates(false).increment(approximate as u64);
         }
-        let now = now_ms();
-        let fair = candidates
-            .iter()
-            .map(|c| c.backend.work().recent_tokens(now))
-            .sum::<f64>()
-            / candidates.len().max(1) as f64;
         let matched = ids.iter().map(|(id, _)| *id).zip(matched).collect();
         let decision = state.decision();
         state.put(
@@ -705,12 +707,13 @@ impl PrefixCacheScorer {
     /// Hot-prefix replication and bounded load (see the module doc): when every candidate
     /// holding the most of the prompt carries more than its bound, name another its holder for
     /// this decision: one holding part of the prefix within the bound (`overflow`), else, if
-    /// the prefix is hot, a new replica. `matched` are the approximate index's blocks of
-    /// `hashes` per candidate (the prefix's name).
+    /// the prefix is hot, a new replica. `work` is each candidate's recent work at `now`,
+    /// `matched` the approximate index's blocks of `hashes` per candidate (the prefix's name).
     fn replicate(
         &self,
         request: &RequestView,
-        candidates: &[Candidate<'_>],
+        work: &[f64],
+        now: u64,
         hashes: &[u64],
         matched: &[usize],
         held: &mut [Held],
@@ -718,7 +721,7 @@ impl PrefixCacheScorer {
         let p = &self.params;
         let longest = matched.iter().copied().max().unwrap_or(0);
         if p.replicate_share <= 0.0
-            || candidates.len() < 2
+            || work.len() < 2
             || longest == 0
             || request.roles == RoleScope::PrefillStep
         {
@@ -728,12 +731,7 @@ impl PrefixCacheScorer {
         if best <= 0.0 {
             return;
         }
-        let now = now_ms();
-        let work: Vec<f64> = candidates
-            .iter()
-            .map(|c| c.backend.work().recent_tokens(now))
-            .collect();
-        let (fair, bound) = fair_and_bound(&work, p.replicate_overload);
+        let (fair, bound) = fair_and_bound(work, p.replicate_overload);
         if !(fair > 0.0 && fair.is_finite()) {
             return;
         }
@@ -743,7 +741,7 @@ impl PrefixCacheScorer {
         let full = |h: &Held| h.ratio() >= best;
         let in_group = |h: &Held| h.ratio() > 0.0 && h.ratio() * 2.0 >= best;
         // A holder within the bound takes the request: nothing to do.
-        if held.iter().zip(&work).any(|(h, w)| full(h) && *w < bound) {
+        if held.iter().zip(work).any(|(h, w)| full(h) && *w < bound) {
             return;
         }
         let Some(holder) = held.iter().position(full) else {
