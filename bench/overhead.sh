@@ -3,7 +3,8 @@
 #
 # Rows, all in one run and interleaved per repetition: direct (wrk → one backend), nginx
 # (round robin, keep-alive upstream, worker_processes = cores), inferlb (default profile,
-# default log level), and SGLang's and vLLM's routers when bench/.venv has them
+# default log level), hyper-floor (`examples/hyper_floor.rs`: a bare hyper proxy with inferlb's
+# worker model and nothing else, the floor of the stack inferlb is built on), and SGLang's and vLLM's routers when bench/.venv has them
 # (`python3 -m venv bench/.venv && bench/.venv/bin/pip install sglang-router vllm-router`).
 # Backends (2): nginx `return 200` with a chat-completion JSON for non-streaming; for
 # streaming, `examples/sse_responder.rs` (100 SSE events per request, each its own chunk,
@@ -37,10 +38,12 @@ NGINX=$(command -v nginx)
 
 if [ -z "${NO_BUILD:-}" ]; then
   # The production profile (Cargo.toml's [profile.dist]: LTO), as the image ships it.
-  cargo build --profile dist --all-features -p inferlb --bin inferlb --example sse_responder
+  cargo build --profile dist --all-features -p inferlb --bin inferlb --example sse_responder \
+    --example hyper_floor
 fi
 LB=${LB:-target/dist/inferlb}
 SSE=${SSE:-target/dist/examples/sse_responder}
+FLOOR=${FLOOR:-target/dist/examples/hyper_floor}
 
 WORK=$(mktemp -d)
 chmod 755 "$WORK"   # nginx workers (user nobody) read the metrics page from it
@@ -136,6 +139,18 @@ for mode in whole stream; do
     URL[inferlb-prev-$mode]="http://127.0.0.1:$P"
   fi
 
+  # The floor is a non-streaming reference only: streamed through it, 100 chunks took 40 ms
+  # (p50) and 9 x nginx's CPU, a defect of the example, not of hyper (inferlb streams at par).
+  if [ "$mode" = whole ] && [ -z "${NO_FLOOR:-}" ] && [ -x "$FLOOR" ]; then
+    # shellcheck disable=SC2046
+    "$FLOOR" 127.0.0.1:0 $(printf '127.0.0.1:%s ' "${PORTS[@]}") >"$WORK/floor-$mode.addr" \
+      2>"$WORK/floor-$mode.log" &
+    PIDS+=($!)
+    CPU_PID[hyper-floor-$mode]=$!
+    for _ in $(seq 100); do [ -s "$WORK/floor-$mode.addr" ] && break; sleep 0.1; done
+    URL[hyper-floor-$mode]="http://$(head -1 "$WORK/floor-$mode.addr")"
+  fi
+
   P=$(free_port)
   mkdir -p "$WORK/proxy-$mode/logs"
   cat >"$WORK/proxy-$mode/nginx.conf" <<NGX
@@ -190,13 +205,16 @@ NGX
 done
 ROWS=(direct nginx inferlb)
 [ -n "${URL[inferlb-prev-whole]:-}" ] && ROWS+=(inferlb-prev)
+[ -n "${URL[hyper-floor-whole]:-}" ] && ROWS+=(hyper-floor)
 # NO_EXTERNAL=1 leaves SGLang's and vLLM's routers out (quicker A/B runs of inferlb).
 if [ -z "${NO_EXTERNAL:-}" ]; then
   [ -n "${URL[sglang-whole]:-}" ] && ROWS+=(sglang)
   [ -n "${URL[vllm-router-whole]:-}" ] && ROWS+=(vllm-router)
 fi
 for mode in whole stream; do
-  for r in "${ROWS[@]}"; do wait_post "${URL[$r-$mode]}" "$r-$mode"; done
+  for r in "${ROWS[@]}"; do
+    [ -n "${URL[$r-$mode]:-}" ] && wait_post "${URL[$r-$mode]}" "$r-$mode"
+  done
 done
 
 # CPU ticks (utime + stime, 1/CLK_TCK s) of a process and its children (nginx's workers).
@@ -217,6 +235,7 @@ for rep in $(seq "$REPS"); do
   for mode in whole stream; do
     [ "$mode" = stream ] && S=true || S=false
     for r in "${ROWS[@]}"; do
+      [ -n "${URL[$r-$mode]:-}" ] || continue
       PID=${CPU_PID[$r-$mode]:-}
       [ -n "$PID" ] && BEFORE=$(cpu_ticks "$PID")
       STREAM=$S wrk -t"$WRK_THREADS" -c"$CONN" -d"${DUR}s" --latency -s bench/wrk/post.lua \
@@ -239,6 +258,6 @@ for pkg in sglang-router vllm-router; do
   v=$("$VENV/bin/pip" show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
   [ -n "$v" ] && EXT+="$pkg $v; "
 done
-python3 bench/provenance.py --note "nginx: $NGINX_VERSION; wrk $WRK_VERSION; ${EXT:-no external routers}" "$LB" ${LB_PREV:+"$LB_PREV"} "$SSE" >"$WORK/provenance.md"
+python3 bench/provenance.py --note "nginx: $NGINX_VERSION; wrk $WRK_VERSION; ${EXT:-no external routers}" "$LB" ${LB_PREV:+"$LB_PREV"} "$SSE" ${URL[hyper-floor-whole]:+"$FLOOR"} >"$WORK/provenance.md"
 python3 bench/overhead_table.py "$WORK" "$OUT" "$DUR" "$CONN" "$REPS" "$WRK_THREADS" "$LOAD_BEFORE" "$LOAD_AFTER" "$RSS" "${ROWS[@]}"
 echo "wrote $OUT"

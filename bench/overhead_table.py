@@ -52,7 +52,8 @@ def parse(path):
     }
 
 
-runs = {(r, m, i): parse(f"{work}/{r}-{m}-{i}.txt") for r in rows for m in ("whole", "stream") for i in range(1, reps + 1)}
+# A row may run in one mode only (hyper-floor: non-streaming); it has no files in the other.
+runs = {(r, m, i): parse(f"{work}/{r}-{m}-{i}.txt") for r in rows for m in ("whole", "stream") for i in range(1, reps + 1) if os.path.exists(f"{work}/{r}-{m}-{i}.txt")}
 med = statistics.median
 provenance = open(f"{work}/provenance.md").read().rstrip("\n")
 cpu = next((l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if l.startswith("Model name")), "unknown")
@@ -77,6 +78,8 @@ for mode, title in (("whole", "Non-streaming"), ("stream", "Streaming (100 SSE c
     lines.append("| row | req/s | × nginx (range) | CPU ms / 1,000 req | × nginx's CPU (range) | p50 | p99 | p99 × nginx's | added p99 over direct | × nginx's added p99 | non-2xx / socket errors |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        if (r, mode, 1) not in runs:
+            continue
         per = [runs[(r, mode, i)] for i in range(1, reps + 1)]
         ng = [runs[("nginx", mode, i)] for i in range(1, reps + 1)]
         dr = [runs[("direct", mode, i)] for i in range(1, reps + 1)]
@@ -112,7 +115,7 @@ for mode, title in (("whole", "Non-streaming"), ("stream", "Streaming (100 SSE c
     d, n, i = summary[f"direct-{mode}"], summary[f"nginx-{mode}"], summary[f"inferlb-{mode}"]
     target = 0.7 if mode == "whole" else 0.9
     lines.append("")
-    lines.append(f"- generator headroom: direct {d['rps']:,.0f} req/s = {d['rps'] / max(max(summary[f'{r}-{mode}']['rps'] for r in rows if r != 'direct'), 1):.2f} × the fastest proxy")
+    lines.append(f"- generator headroom: direct {d['rps']:,.0f} req/s = {d['rps'] / max(max(summary[f'{r}-{mode}']['rps'] for r in rows if r != 'direct' and f'{r}-{mode}' in summary), 1):.2f} × the fastest proxy")
     lines.append(f"- inferlb / nginx throughput **{i['ratio']:.2f}** (target ≥ {target}) → {'met' if i['ratio'] >= target else 'NOT met'}; "
                  f"added p99 {i['added_p99_ratio']:.2f} × nginx's (target ≤ 1.5) → {'met' if i['added_p99_ratio'] <= 1.5 else 'NOT met (or not measurable: nan when nginx added nothing over direct, whose p99 is itself loaded)'}; "
                  f"p99 {i['p99_ratio']:.2f} × nginx's; "
