@@ -231,13 +231,15 @@ async fn a_copy_of_the_prefix_takes_requests_while_every_full_holder_is_over_its
     );
 }
 
-/// Backend X serves models `m` and `t`, Y only `m`; every cache holds 16 blocks. Nine requests
-/// cycle three 15-block prompts of model `t` on X (only X serves it), so from the fourth on
-/// each comes back after X's cache dropped it; then forty requests of one short hot prompt of
-/// model `m` go to Y (emptier and idler), which ends the busier by traffic while X stays the
-/// fuller. Returns where a new prefix of `m` goes, X and Y, and the requests counted in
-/// `inferlb_prefix_returns_total` meanwhile.
-async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, String, f64) {
+/// Backend X serves models `m` and `t`, Y only `m`; every cache holds 16 blocks. `cycled`
+/// prompts of model `t` go to X (only X serves it) in turn, nine requests; then forty requests
+/// of one short hot prompt of model `m` go to Y (emptier and idler), which ends the busier by
+/// traffic while X stays the fuller. Returns where a new prefix of `m` goes, X and Y, and the
+/// requests counted in `inferlb_prefix_returns_total` meanwhile.
+async fn new_prefix_after(
+    cycled: &[String],
+    room_thrash_limit: f64,
+) -> (String, String, String, f64) {
     let fakes = vec![
         common::FakeBackend::start("x", &["m", "t"]).await,
         common::FakeBackend::start("y", &["m"]).await,
@@ -253,9 +255,8 @@ async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, Str
     let returns = || common::sample(&router, "inferlb_prefix_returns_total");
     let before = returns().await;
     let mut x = None;
-    for i in 0..9u8 {
-        let (status, backend, _) =
-            common::chat(&router, "t", &text(char::from(b'p' + i % 3), 1_000)).await;
+    for prompt in cycled.iter().cycle().take(9) {
+        let (status, backend, _) = common::chat(&router, "t", prompt).await;
         assert_eq!(status, 200);
         x = backend;
     }
@@ -271,6 +272,15 @@ async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, Str
     (new, x, y, added)
 }
 
+/// Three 15-block prompts cycled on a 16-block cache: from the fourth on, each comes back
+/// after X's cache dropped it whole.
+async fn new_prefix_after_thrash(room_thrash_limit: f64) -> (String, String, String, f64) {
+    let cycled: Vec<String> = (0..3u8)
+        .map(|i| text(char::from(b'p' + i), 1_000))
+        .collect();
+    new_prefix_after(&cycled, room_thrash_limit).await
+}
+
 #[tokio::test]
 async fn while_the_caches_thrash_a_new_prefix_goes_by_fill_not_by_traffic() {
     // Six of the nine cycled prompts came back after eviction (over a fifth of the recent
@@ -282,4 +292,21 @@ async fn while_the_caches_thrash_a_new_prefix_goes_by_fill_not_by_traffic() {
     // With a limit the thrash never reaches, traffic decides: X carried less.
     let (new, x, _y, _) = new_prefix_after_thrash(1e9).await;
     assert_eq!(new, x, "traffic decides when the limit is out of reach");
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_that_lost_only_its_tail_is_not_thrash() {
+    // Four prompts of one 10-block prefix and 3-block tails of their own, cycled on a 16-block
+    // cache: the shared prefix stays (it is touched by every request), each prompt's tail is
+    // evicted before it comes back. From the fifth request on each is a return, but what it
+    // lost is its tail: five returns of under a quarter of a prompt each are not four prompts'
+    // worth, so the caches are not thrashing and traffic decides (counted whole, the returns
+    // closed the gate and fill sent the new prefix to Y).
+    let shared = text('S', 640);
+    let cycled: Vec<String> = (0..4u8)
+        .map(|i| format!("{shared}{}", text(char::from(b'w' + i), 190)))
+        .collect();
+    let (new, x, _y, returns) = new_prefix_after(&cycled, 0.02).await;
+    assert!(returns >= 5.0, "inferlb_prefix_returns_total {returns}");
+    assert_eq!(new, x, "traffic decides: the returns lost only their tails");
 }

@@ -37,8 +37,10 @@
 //! prompts' worth. With `w` the weight (`precise_room_work_weight` when every candidate is scored
 //! from live KV events, else `room_work_weight`; both 1 by default), `kv` the candidates' mean
 //! KV-cache usage (0.5 when none is known) and `thrash` the share of recent prompt tokens
-//! (one-minute half-life) whose prefix came back after the backend holding the most of it had
-//! evicted the next block (below):
+//! (one-minute half-life) asked for again after a cache had dropped them (a prompt that came
+//! back after the backend holding the most of it had evicted the next block counts the blocks
+//! past that match: a repeated prompt that lost only its own tail counts its tail, a prefix
+//! dropped whole counts whole; below):
 //!
 //! ```text
 //! t       = w · (1 − kv) · max(0, 1 − thrash / room_thrash_limit)
@@ -60,11 +62,13 @@
 //! `thrash` is closed-loop: placing by traffic gives the idler backends more distinct prefixes,
 //! harmless while their caches hold them, and the moment their caches start dropping prefixes
 //! that are asked for again, placement goes back to filling evenly. It counts only from four
-//! prompts' worth of returns ([`THRASH_MIN_PROMPTS`]): on 56 requests one return is 1.8 %, and
-//! a single one had closed the gate. Mean KV usage cannot say this: an engine's usage counts
-//! only running requests' blocks (about 0 between requests on two real vLLM servers whose
-//! caches were full of reusable prefixes), and the index's fill is full as soon as the router
-//! has sent a cache's worth. Returns are told by each backend's ghost of recent evictions (see
+//! prompts' worth of returned tokens ([`THRASH_MIN_PROMPTS`]): on 56 requests one return is
+//! 1.8 %, and a single one had closed the gate; on real vLLM three repeated prompts whose
+//! question blocks alone had been evicted closed it while every group's prefix stayed cached,
+//! hence the lost share rather than the whole prompt. Mean KV usage cannot say this: an
+//! engine's usage counts only running requests' blocks (about 0 between requests on two real
+//! vLLM servers whose caches were full of reusable prefixes), and the index's fill is full as
+//! soon as the router has sent a cache's worth. Returns are told by each backend's ghost of recent evictions (see
 //! [`index`]) and, for a candidate scored from live KV events, by its events: a prefix the
 //! router sent there and that it no longer holds, if its events reported an eviction within
 //! the last minute (a cache that evicted nothing cannot have dropped it: its blocks are late).
@@ -355,9 +359,11 @@ struct Scratch {
     passes: u32,
     /// Token-block chains by (block size, LoRA adapter), computed once per request.
     chains: Vec<Chain>,
-    /// The prompt's next block after the longest match among the candidates is one that a
-    /// candidate holding that match evicted lately ([`PrefixIndex::returned`]).
-    returned: bool,
+    /// The share of the prompt lost to an eviction, when it came back after one (0 when it
+    /// did not): the blocks past the longest match, when the next of them is one a candidate
+    /// holding that match evicted lately ([`PrefixIndex::returned`]), or past what a live
+    /// backend still holds of what it was sent ([`evicted_precisely`]).
+    returned: f64,
     /// (backend id, chain index, blocks held) for each candidate scored precisely.
     precise: Vec<(usize, usize, usize)>,
     /// The candidates' mean recent work when last scored (what makes a prefix hot).
@@ -389,8 +395,9 @@ pub struct PrefixCacheScorer {
     decisions: AtomicU64,
     /// Recent traffic per prefix, for hot-prefix replication.
     traffic: PrefixTraffic,
-    /// Recent prompt tokens routed, and those of prompts whose prefix came back after a cache
-    /// dropped it ([`PrefixIndex::returned`]): the fleet's thrash.
+    /// Recent prompt tokens routed, and those of them that came back after a cache dropped
+    /// them ([`PrefixIndex::returned`]: a returning prompt's tokens times the share of it
+    /// lost): the fleet's thrash.
     routed: Recent,
     /// Recent prompts routed (the count of `routed`'s requests).
     routed_prompts: Recent,
@@ -647,8 +654,9 @@ impl PrefixCacheScorer {
             .map(|c| c.backend.work().recent_tokens(now))
             .collect();
         let (fair, _) = fair_and_bound(&work, 0.0);
-        let returned = self.returned_prefix(&hashes, &ids, &matched)
-            || evicted_precisely(&out, candidates, now);
+        let returned = self
+            .returned_prefix(&hashes, &ids, &matched)
+            .max(evicted_precisely(&out, candidates, now));
         self.replicate(request, &work, now, &hashes, &matched, &mut out);
         if !precise.is_empty() {
             t::handles::precise_candidates(true).increment(precise.len() as u64);
@@ -678,15 +686,21 @@ impl PrefixCacheScorer {
     /// Did the prompt's prefix come back after a cache dropped it: is its next block after the
     /// longest match among the candidates one that a candidate holding that match evicted
     /// lately? (A block evicted by one backend while another holds more of the prompt cost
-    /// nothing.)
-    fn returned_prefix(&self, hashes: &[u64], ids: &[(usize, u64)], matched: &[usize]) -> bool {
+    /// nothing.) Answers the share of the prompt's blocks past that match (0: no return): a
+    /// repeated prompt that lost only its own tail while its group's prefix stayed is a small
+    /// return, a prefix dropped whole a full one.
+    fn returned_prefix(&self, hashes: &[u64], ids: &[(usize, u64)], matched: &[usize]) -> f64 {
         let longest = matched.iter().copied().max().unwrap_or(0);
         if longest >= hashes.len() {
-            return false;
+            return 0.0;
         }
         let mut out = vec![false; ids.len()];
         self.index.returned(hashes, ids, matched, &mut out);
-        out.iter().zip(matched).any(|(r, m)| *r && *m == longest)
+        if out.iter().zip(matched).any(|(r, m)| *r && *m == longest) {
+            (hashes.len() - longest) as f64 / hashes.len() as f64
+        } else {
+            0.0
+        }
     }
 
     /// The fleet's recent thrash: the share of recent prompt tokens whose prefix came back
@@ -915,8 +929,9 @@ fn traffic_depth(elsewhere: usize, longest: usize) -> Option<usize> {
 /// is larger than the cache (its capacity is estimated in characters), and the events can. A
 /// cache that evicted nothing lately cannot have dropped it: the blocks are late (a request
 /// still queued past the in-flight time) or were never named alike (on two real vLLM servers
-/// with no eviction at all, 1–2 such prompts in 56 closed the thrash gate).
-fn evicted_precisely(held: &[Held], candidates: &[Candidate<'_>], now: u64) -> bool {
+/// with no eviction at all, 1–2 such prompts in 56 closed the thrash gate). Answers the share
+/// of the prompt lost (what was sent there less what is held anywhere), 0 for no return.
+fn evicted_precisely(held: &[Held], candidates: &[Candidate<'_>], now: u64) -> f64 {
     let sent = held
         .iter()
         .zip(candidates)
@@ -929,7 +944,11 @@ fn evicted_precisely(held: &[Held], candidates: &[Candidate<'_>], now: u64) -> b
         .map(|(h, _)| h.recalled)
         .fold(0.0, f64::max);
     let holds = held.iter().map(Held::ratio).fold(0.0, f64::max);
-    sent >= 0.5 && sent - holds >= 0.5
+    if sent >= 0.5 && sent - holds >= 0.5 {
+        (sent - holds).min(1.0)
+    } else {
+        0.0
+    }
 }
 
 /// The candidates' mean load (their fair share) and `(1 + slack)` times it, the bound past
@@ -983,7 +1002,7 @@ impl Plugin for PrefixCacheScorer {
             }
         };
         let mut new_prefix = false;
-        let mut returned = false;
+        let mut returned = 0.0;
         let mut fair = 0.0;
         if let Some(scratch) = state.get::<Scratch>(&self.name) {
             new_prefix = is_new_prefix(scratch);
@@ -1019,8 +1038,8 @@ impl Plugin for PrefixCacheScorer {
             let tokens = self.count_traffic(request, backend, hashes, matched, fair);
             self.routed.add(tokens, now);
             self.routed_prompts.add(1.0, now);
-            if returned {
-                self.returned.add(tokens, now);
+            if returned > 0.0 {
+                self.returned.add(tokens * returned, now);
                 metrics::counter!(t::PREFIX_RETURNS).increment(1);
             }
         }
