@@ -247,7 +247,7 @@ impl Connector {
         metrics::counter!(t::UPSTREAM_CONNECTIONS_OPENED).increment(1);
         Ok(Conn {
             send,
-            driver: Some(driver),
+            driver: Some(Box::new(driver)),
         })
     }
 }
@@ -258,14 +258,16 @@ pub struct Conn {
     send: http1::SendRequest<Full<Bytes>>,
     /// `None` once the connection has closed. Dropping the finished driver also fails any
     /// request still queued on it (with the request handed back, see [`ConnError::NotSent`]).
-    driver: Option<Driver>,
+    /// Boxed (once per connection): hyper's connection state is some 650 bytes, and a `Conn`
+    /// is moved several times per request (checkout, lease, check-in).
+    driver: Option<Box<Driver>>,
 }
 
 impl Conn {
     /// Move the connection's I/O along. Returns `true` while the connection is open.
     pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
         if let Some(driver) = &mut self.driver {
-            if Pin::new(driver).poll(cx).is_ready() {
+            if Pin::new(driver.as_mut()).poll(cx).is_ready() {
                 self.driver = None;
             }
         }
@@ -367,7 +369,7 @@ pub async fn send_with_reconnect(
     match conn.send(request).await {
         Err(ConnError::NotSent) if reused => {
             let request = rebuild().ok_or(ConnError::NotSent)?;
-            *conn = connector.connect(connect_timeout).await?;
+            *conn = Box::pin(connector.connect(connect_timeout)).await?;
             conn.send(request).await
         }
         other => other,
@@ -433,7 +435,12 @@ impl ConnPool {
                 return Ok((idle.conn, true));
             }
         }
-        Ok((connector.connect(self.connect_timeout).await?, false))
+        // Boxed: a connect future (TCP and TLS) is over a kilobyte, and a reused connection,
+        // the usual case, should not carry it.
+        Ok((
+            Box::pin(connector.connect(self.connect_timeout)).await?,
+            false,
+        ))
     }
 
     /// Give back a connection whose response was read to the end. Connections idle past the

@@ -32,7 +32,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn unchanged(request: &Arc<ProxyRequest>) -> Self {
+    /// P/D does not apply: the request goes to the decode pick as it is.
+    pub fn unchanged(request: &Arc<ProxyRequest>) -> Self {
         Plan {
             request: Arc::clone(request),
             path: None,

@@ -423,14 +423,20 @@ where
                 s.scheduler.sent(&request.view, &state, &mut guard);
                 // P/D: run the prefill step first when the rule says so; each attempt plans
                 // anew, so a failed decode is never retried with the same KV params.
-                let plan = flow::plan(
-                    &settings.pd,
-                    &s.scheduler,
-                    inner.clone(),
-                    &request,
-                    &mut guard,
-                )
-                .await;
+                // Boxed, and only with P/D on: its future is large, and every future nested
+                // by value is copied into the one awaiting it on every request.
+                let plan = if settings.pd.enabled {
+                    Box::pin(flow::plan(
+                        &settings.pd,
+                        &s.scheduler,
+                        inner.clone(),
+                        &request,
+                        &mut guard,
+                    ))
+                    .await
+                } else {
+                    flow::Plan::unchanged(&request)
+                };
                 let dispatch = Dispatch {
                     request: plan.request,
                     backend: Arc::clone(&backend),
