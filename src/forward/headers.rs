@@ -18,19 +18,22 @@ const HOP_BY_HOP: &[HeaderName] = &[
     header::UPGRADE,
 ];
 
-fn is_hop_by_hop(name: &HeaderName, listed: &[HeaderName]) -> bool {
-    HOP_BY_HOP.contains(name) || name.as_str() == "keep-alive" || listed.contains(name)
-}
-
-/// Headers named by `Connection: a, b` (lower-cased), which are hop-by-hop too.
-fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect()
+/// Is `name` hop-by-hop: in the fixed set, or named by a `Connection` header of `headers`?
+/// Allocation-free (it runs for every header of every request and response): the
+/// `Connection` values are compared in place, ASCII case-insensitively, instead of being
+/// parsed into header names.
+fn is_hop_by_hop(name: &HeaderName, headers: &HeaderMap) -> bool {
+    HOP_BY_HOP.contains(name)
+        || name.as_str() == "keep-alive"
+        || headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .any(|listed| {
+                listed
+                    .trim_ascii()
+                    .eq_ignore_ascii_case(name.as_str().as_bytes())
+            })
 }
 
 /// Copy the end-to-end headers of a client request into `out`, for the backend.
@@ -40,9 +43,9 @@ pub fn request_headers(
     backend_authorization: Option<&HeaderValue>,
     forward_client_authorization: bool,
 ) {
-    let listed = connection_listed(from);
+    out.reserve(from.len().saturating_add(2));
     for (name, value) in from {
-        if is_hop_by_hop(name, &listed) || name == header::HOST || name == header::CONTENT_LENGTH {
+        if is_hop_by_hop(name, from) || name == header::HOST || name == header::CONTENT_LENGTH {
             continue;
         }
         if name == header::AUTHORIZATION
@@ -59,10 +62,13 @@ pub fn request_headers(
 
 /// Drop hop-by-hop headers from a backend response before it goes to the client.
 pub fn strip_response_headers(headers: &mut HeaderMap) {
-    let listed = connection_listed(headers);
+    // Usually just `Connection: keep-alive`, or nothing: look before collecting.
+    if !headers.keys().any(|n| is_hop_by_hop(n, headers)) {
+        return;
+    }
     let doomed: Vec<HeaderName> = headers
         .keys()
-        .filter(|n| is_hop_by_hop(n, &listed))
+        .filter(|n| is_hop_by_hop(n, headers))
         .cloned()
         .collect();
     for name in doomed {
@@ -89,7 +95,7 @@ mod tests {
     #[test]
     fn hop_by_hop_and_connection_listed_are_dropped() {
         let from = map(&[
-            ("connection", "keep-alive, x-secret"),
+            ("connection", "keep-alive,  X-Secret "),
             ("keep-alive", "timeout=5"),
             ("x-secret", "1"),
             ("te", "trailers"),
