@@ -834,8 +834,8 @@ impl PrefixCacheScorer {
         keys: &[u64],
         held: usize,
         fair: f64,
+        now: u64,
     ) -> f64 {
-        let now = now_ms();
         let tokens = request.estimated_prompt_tokens() as f64;
         if held > 0 {
             let p = &self.params;
@@ -1001,6 +1001,8 @@ impl Plugin for PrefixCacheScorer {
                 (&computed, 0)
             }
         };
+        // One clock read for everything recorded about this pick.
+        let now = now_ms();
         let mut new_prefix = false;
         let mut returned = 0.0;
         let mut fair = 0.0;
@@ -1025,7 +1027,7 @@ impl Plugin for PrefixCacheScorer {
                 if let Some(chain) = scratch.chains.get(*chain) {
                     backend
                         .kv()
-                        .note_sent(&chain.hashes, *held, now_ms(), self.params.inflight_ms);
+                        .note_sent(&chain.hashes, *held, now, self.params.inflight_ms);
                 }
             }
         }
@@ -1034,8 +1036,7 @@ impl Plugin for PrefixCacheScorer {
         }
         // Once per request: a P/D prefill step is the same request's traffic again.
         if request.roles != RoleScope::PrefillStep {
-            let now = now_ms();
-            let tokens = self.count_traffic(request, backend, hashes, matched, fair);
+            let tokens = self.count_traffic(request, backend, hashes, matched, fair, now);
             self.routed.add(tokens, now);
             self.routed_prompts.add(1.0, now);
             if returned > 0.0 {
@@ -1044,7 +1045,7 @@ impl Plugin for PrefixCacheScorer {
             }
         }
         if new_prefix {
-            backend.work().note_placed(now_ms());
+            backend.work().note_placed(now);
         }
         t::handles::prefix_match_ratio().record(matched as f64 / hashes.len() as f64);
         crate::scheduling::profile::decisions::note_prefix(matched, hashes.len());
@@ -1057,7 +1058,7 @@ impl Plugin for PrefixCacheScorer {
         );
         if self.decisions.fetch_add(1, Ordering::Relaxed) % 64 == 0 {
             metrics::gauge!(t::PREFIX_INDEX_BLOCKS).set(self.index.blocks() as f64);
-            metrics::gauge!(t::PREFIX_THRASH).set(self.thrash(now_ms()));
+            metrics::gauge!(t::PREFIX_THRASH).set(self.thrash(now));
         }
     }
 }
