@@ -118,6 +118,23 @@ async fn rate_limit_per_client_ip_answers_429_with_retry_after() {
         2,
         "the limited request never reached the backend"
     );
+    // Another client address has a budget of its own: the router tells clients apart by each
+    // connection's peer address (on Linux all of 127.0.0.0/8 is loopback).
+    let other = reqwest::Client::builder()
+        .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
+        .build()
+        .unwrap();
+    let resp = other
+        .post(router.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        200,
+        "a second client address is limited apart"
+    );
     router.shutdown().await;
 }
 

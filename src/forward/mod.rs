@@ -40,8 +40,9 @@ use pool::{ConnPool, Lease};
 #[derive(Debug)]
 pub struct ProxyRequest {
     pub method: Method,
-    /// Path and query to send to the backend, e.g. `/v1/chat/completions`.
-    pub path_and_query: String,
+    /// Path and query to send to the backend, e.g. `/v1/chat/completions` (kept parsed: the
+    /// request to the backend reuses it without parsing or copying it again).
+    pub path_and_query: http::uri::PathAndQuery,
     pub headers: HeaderMap,
     pub body: Bytes,
     pub view: Arc<RequestView>,
@@ -130,7 +131,9 @@ impl Forwarder {
     fn build_request(&self, d: &Dispatch) -> Result<Request<Full<Bytes>>, Error> {
         let req = &d.request;
         // Origin form on the wire; the backend is named by the Host header.
-        let uri = http::Uri::try_from(req.path_and_query.as_str())
+        let mut uri = http::uri::Parts::default();
+        uri.path_and_query = Some(req.path_and_query.clone());
+        let uri = http::Uri::from_parts(uri)
             .map_err(|e| Error::InvalidRequest(format!("invalid request path: {e}")))?;
         let mut out = Request::builder()
             .method(req.method.clone())
@@ -255,7 +258,7 @@ impl tower::Service<Dispatch> for Forwarder {
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"))
                 .then(|| {
-                    if crate::responses::on_api_path(&original.path_and_query) {
+                    if crate::responses::on_api_path(original.path_and_query.as_str()) {
                         body::SseEnd::ResponseEvent
                     } else {
                         body::SseEnd::Done

@@ -195,12 +195,9 @@ impl Auth {
         !self.keys.is_empty()
     }
 
-    fn identify(&self, req: &Request) -> Result<Client, Error> {
+    fn identify(&self, req: &Request, peer: Option<SocketAddr>) -> Result<Client, Error> {
         if self.keys.is_empty() {
-            let ip = req
-                .extensions()
-                .get::<ConnectInfo<SocketAddr>>()
-                .map_or(IpAddr::from([0, 0, 0, 0]), |c| c.0.ip());
+            let ip = peer.map_or(IpAddr::from([0, 0, 0, 0]), |p| p.ip());
             return Ok(Client::Ip(ip));
         }
         let presented = bearer(req).ok_or(Error::Unauthorized)?;
@@ -264,26 +261,41 @@ pub async fn client_gate(
     req: Request,
     next: Next,
 ) -> Response {
-    gate(&auth, req, |req| next.run(req)).await
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    gate(&auth, req, peer, |mut req, tenant| {
+        req.extensions_mut().insert(tenant);
+        next.run(req)
+    })
+    .await
 }
 
-/// The client gate itself: identify the client (401 without a valid key), tag the request
-/// with its [`Tenant`], apply its rate and concurrency limits (429), then run `inner`. The
-/// middleware above and the front door's hot routes (which bypass the router) both call it.
-pub async fn gate<F, Fut>(auth: &ArcSwap<Auth>, mut req: Request, inner: F) -> Response
+/// The client gate itself: identify the client (401 without a valid key; `peer` names it
+/// when no keys are configured), apply its rate and concurrency limits (429), then run
+/// `inner` with the client's [`Tenant`]. The middleware above (which puts the tenant in the
+/// request's extensions for the handlers) and the front door's hot routes (which bypass the
+/// router and hand it on directly: no extension map to allocate per request) both call it.
+pub async fn gate<F, Fut>(
+    auth: &ArcSwap<Auth>,
+    req: Request,
+    peer: Option<SocketAddr>,
+    inner: F,
+) -> Response
 where
-    F: FnOnce(Request) -> Fut,
+    F: FnOnce(Request, Tenant) -> Fut,
     Fut: std::future::Future<Output = Response>,
 {
     // The keys and limits in effect now (a reload swaps them).
     let auth = auth.load_full();
-    let client = match auth.identify(&req) {
+    let client = match auth.identify(&req, peer) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
-    req.extensions_mut().insert(auth.tenant(client));
+    let tenant = auth.tenant(client);
     if !auth.limits_on() {
-        return inner(req).await;
+        return inner(req, tenant).await;
     }
     let state = auth.state(client);
     if let Err(wait) = auth.take_token(&state) {
@@ -306,7 +318,7 @@ where
         },
         None => None,
     };
-    let response = inner(req).await;
+    let response = inner(req, tenant).await;
     match permit {
         Some(permit) => hold(response, permit),
         None => response,

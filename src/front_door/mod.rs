@@ -5,13 +5,14 @@
 //! Every failure on the way is a typed [`Error`], turned into OpenAI's error JSON by
 //! `error.rs` — including axum's own 404 and 405.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
@@ -135,7 +136,13 @@ impl Routes {
         }
     }
 
-    pub async fn call(&self, req: http::Request<hyper::body::Incoming>) -> Response {
+    /// Serve one request from `peer`. The router's routes find the peer as axum's
+    /// `ConnectInfo` extension; the hot routes get it (and the client's tenant) as arguments.
+    pub async fn call(
+        &self,
+        mut req: http::Request<hyper::body::Incoming>,
+        peer: SocketAddr,
+    ) -> Response {
         if let Some(app) = &self.hot {
             let operation = match (req.method() == Method::POST, req.uri().path()) {
                 (true, "/v1/chat/completions") => Some(Operation::ChatCompletions),
@@ -144,10 +151,11 @@ impl Routes {
             };
             if let Some(operation) = operation {
                 let req = req.map(Body::new);
-                let proxied = |req| proxy(Arc::clone(app), operation, req);
-                return auth::gate(&app.auth, req, proxied).await;
+                let proxied = |req, tenant| proxy_as(Arc::clone(app), operation, req, Some(tenant));
+                return auth::gate(&app.auth, req, Some(peer), proxied).await;
             }
         }
+        req.extensions_mut().insert(ConnectInfo(peer));
         self.router
             .clone()
             .oneshot(req)
@@ -222,7 +230,18 @@ struct Facts {
 
 /// Counts every client request exactly once, with its final status; adds the explain header
 /// and the access-log line when wanted.
-async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Response {
+async fn proxy(app: Arc<AppState>, operation: Operation, req: Request) -> Response {
+    proxy_as(app, operation, req, None).await
+}
+
+/// [`proxy`] for a client the gate identified as `tenant` (`None`: read the [`auth::Tenant`]
+/// extension the router's gate put on the request).
+async fn proxy_as(
+    app: Arc<AppState>,
+    operation: Operation,
+    mut req: Request,
+    tenant: Option<auth::Tenant>,
+) -> Response {
     let received_at = Instant::now();
     let explain = explain_allowed(&app, req.headers_mut());
     let log = access::enabled();
@@ -230,7 +249,15 @@ async fn proxy(app: Arc<AppState>, operation: Operation, mut req: Request) -> Re
     // Filled only with a model some backend lists, so client-chosen names never become labels.
     let mut model: Option<String> = None;
     let mut facts = Facts::default();
-    let forwarding = forward(&app, operation, req, received_at, &mut model, &mut facts);
+    let forwarding = forward(
+        &app,
+        operation,
+        req,
+        tenant,
+        received_at,
+        &mut model,
+        &mut facts,
+    );
     let result = match &trace {
         Some(trace) => decisions::scope(Arc::clone(trace), forwarding).await,
         None => forwarding.await,
@@ -293,6 +320,7 @@ async fn forward(
     app: &AppState,
     operation: Operation,
     req: Request,
+    tenant: Option<auth::Tenant>,
     received_at: Instant,
     model_label: &mut Option<String>,
     facts: &mut Facts,
@@ -337,7 +365,8 @@ async fn forward(
             crate::kv_events::any_live(&app.pool.backends(), crate::clock::now_ms())
         });
     }
-    tag(&config, &mut parts, &mut view);
+    let tenant = tenant.or_else(|| parts.extensions.get::<auth::Tenant>().copied());
+    tag(&config, &mut parts, tenant, &mut view);
     let request_id = parts
         .headers
         .get("x-request-id")
@@ -347,7 +376,8 @@ async fn forward(
     let path_and_query = parts
         .uri
         .path_and_query()
-        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+        .cloned()
+        .ok_or_else(|| Error::InvalidRequest("the request names no path".into()))?;
     if has_dot_segment(parts.uri.path()) {
         return Err(Error::InvalidRequest(
             "the path must not contain `.` or `..` segments, encoded slashes or backslashes".into(),
@@ -359,7 +389,8 @@ async fn forward(
         None => None,
     };
     if let Some(id) = responses::named(operation, by_id, &view) {
-        responses::pin(app, &id, &parts.headers, &mut view).await?;
+        // Boxed: only Responses API calls take this path, and its future is large.
+        Box::pin(responses::pin(app, &id, &parts.headers, &mut view)).await?;
     }
     facts.request_id = Some(request_id.clone());
     facts.prompt_bytes = view.routing_text.as_ref().map_or(0, String::len);
@@ -388,7 +419,12 @@ async fn forward(
 
 /// Fill in the view's session key, tenant and priority class from the headers and the auth
 /// gate's [`auth::Tenant`]; the priority header is for the router and is taken off.
-fn tag(config: &Settings, parts: &mut http::request::Parts, view: &mut RequestView) {
+fn tag(
+    config: &Settings,
+    parts: &mut http::request::Parts,
+    tenant: Option<auth::Tenant>,
+    view: &mut RequestView,
+) {
     let header = parts
         .headers
         .get(config.session_header.as_str())
@@ -399,7 +435,6 @@ fn tag(config: &Settings, parts: &mut http::request::Parts, view: &mut RequestVi
     } else {
         header
     };
-    let tenant = parts.extensions.get::<auth::Tenant>().copied();
     view.tenant = tenant.map_or(0, |t| t.id);
     let rule = tenant
         .and_then(|t| t.classes)

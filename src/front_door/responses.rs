@@ -68,6 +68,11 @@ pub async fn pin(
 /// connections, TLS, API key, passive health), with the client's `Authorization` for
 /// backends that take the client's key.
 async fn probe(app: &AppState, backend: Arc<Backend>, id: &str, client: &HeaderMap) -> Probe {
+    // An id that makes no valid path cannot be asked about.
+    let Ok(path_and_query) = http::uri::PathAndQuery::try_from(format!("{BY_ID_PREFIX}{id}"))
+    else {
+        return Probe::Unknown;
+    };
     let view = Arc::new(RequestView::multipart(b"", ""));
     // Counted in flight, but outside the concurrency limit (a small GET must not wait behind
     // a full backend's generations) and never the probe of a backend on probation.
@@ -81,7 +86,7 @@ async fn probe(app: &AppState, backend: Arc<Backend>, id: &str, client: &HeaderM
     }
     let request = ProxyRequest {
         method: Method::GET,
-        path_and_query: format!("{BY_ID_PREFIX}{id}"),
+        path_and_query,
         headers,
         body: Bytes::new(),
         view,

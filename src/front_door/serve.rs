@@ -15,11 +15,9 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -126,10 +124,9 @@ pub async fn serve_with(
         };
         let _ = stream.set_nodelay(true);
         let routes = routes.clone();
-        let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
-            req.extensions_mut().insert(ConnectInfo::<SocketAddr>(peer));
+        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
             let routes = routes.clone();
-            async move { Ok::<_, Infallible>(routes.call(req).await) }
+            async move { Ok::<_, Infallible>(routes.call(req, peer).await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
