@@ -8,6 +8,9 @@
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
+/// `x-request-id`, as a constant: a `&str` header name is parsed and copied on every use.
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
 const HOP_BY_HOP: &[HeaderName] = &[
     header::CONNECTION,
     header::PROXY_AUTHENTICATE,

@@ -135,20 +135,20 @@ impl Forwarder {
         uri.path_and_query = Some(req.path_and_query.clone());
         let uri = http::Uri::from_parts(uri)
             .map_err(|e| Error::InvalidRequest(format!("invalid request path: {e}")))?;
-        let mut out = Request::builder()
-            .method(req.method.clone())
-            .uri(uri)
-            .header(http::header::HOST, d.backend.host_header.clone())
-            .body(Full::new(req.body.clone()))
-            .map_err(|e| Error::Internal(e.to_string()))?;
+        // The map sized once: the client's headers, Host, the request id and a backend key.
+        let mut map = HeaderMap::with_capacity(req.headers.len().saturating_add(3));
+        map.insert(http::header::HOST, d.backend.host_header.clone());
         headers::request_headers(
             &req.headers,
-            out.headers_mut(),
+            &mut map,
             d.backend.authorization.as_ref(),
             self.forward_client_authorization,
         );
-        out.headers_mut()
-            .insert("x-request-id", req.request_id.clone());
+        map.insert(headers::REQUEST_ID, req.request_id.clone());
+        let mut out = Request::new(Full::new(req.body.clone()));
+        *out.method_mut() = req.method.clone();
+        *out.uri_mut() = uri;
+        *out.headers_mut() = map;
         Ok(out)
     }
 }
@@ -250,7 +250,7 @@ impl tower::Service<Dispatch> for Forwarder {
             }
             parts
                 .headers
-                .insert("x-request-id", original.request_id.clone());
+                .insert(headers::REQUEST_ID, original.request_id.clone());
             let error_status = parts.status.is_server_error();
             let sse = parts
                 .headers
