@@ -151,7 +151,10 @@ impl Routes {
             };
             if let Some(operation) = operation {
                 let req = req.map(Body::new);
-                let proxied = |req, tenant| proxy_as(Arc::clone(app), operation, req, Some(tenant));
+                // Boxed: every future nested by value is copied into the one awaiting it, and
+                // this one is the largest on the path (two more layers wrap it here).
+                let proxied =
+                    |req, tenant| Box::pin(proxy_as(Arc::clone(app), operation, req, Some(tenant)));
                 return auth::gate(&app.auth, req, Some(peer), proxied).await;
             }
         }
@@ -489,13 +492,35 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(Error::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(Error::BodyTooLarge { limit })
+    let failed = |e: axum::BoxError| {
+        if e.downcast_ref::<LengthLimitError>().is_some() {
+            Error::BodyTooLarge { limit }
+        } else {
+            Error::BodyRead(e.to_string())
         }
-        Err(e) => Err(Error::BodyRead(e.to_string())),
+    };
+    // A body in one frame (the usual case: it came with the head) is kept as it is; only a
+    // body in several frames is copied together.
+    let mut body = Limited::new(body, limit);
+    let mut first = Bytes::new();
+    let mut joined: Option<bytes::BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(failed)?.into_data() else {
+            continue; // trailers
+        };
+        match &mut joined {
+            Some(all) => all.extend_from_slice(&data),
+            None if first.is_empty() => first = data,
+            None => {
+                let mut all =
+                    bytes::BytesMut::with_capacity(first.len().saturating_add(data.len()));
+                all.extend_from_slice(&first);
+                all.extend_from_slice(&data);
+                joined = Some(all);
+            }
+        }
     }
+    Ok(joined.map_or(first, bytes::BytesMut::freeze))
 }
 
 /// `GET /v1/models`: the union of the models of healthy backends, de-duplicated by id.
