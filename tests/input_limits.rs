@@ -343,3 +343,30 @@ async fn invalid_openai_fields_get_400_naming_the_param_before_any_backend() {
     );
     router.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_body_sent_in_several_chunks_reaches_the_backend_byte_for_byte() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let router = start_router(config(&[&b])).await;
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"one, two and three"}]}"#;
+    // Three chunks, the last one empty-terminated: the front door reads them as three frames.
+    let (one, rest) = body.split_at(10);
+    let (two, three) = rest.split_at(25);
+    let mut request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: inferlb\r\nconnection: close\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for chunk in [one, two, three] {
+        request.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        request.extend_from_slice(chunk);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"0\r\n\r\n");
+    let mut s = TcpStream::connect(router.addr).await.unwrap();
+    s.write_all(&request).await.unwrap();
+    let answer = read_until_close(&mut s).await;
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(&b.nth_body(1).await[..], &body[..]);
+    router.shutdown().await;
+}
