@@ -31,8 +31,14 @@ use super::{
 /// Label sets kept per table.
 pub const MAX_ENTRIES: usize = 16_384;
 
+/// Hashed with foldhash, not SipHash: three string lookups per request each hashed a backend
+/// URL and a model name with SipHash, about 2.6 % of the proxy's user time under load. The
+/// keys are the fleet's own names (see above), not a client's choice, so flooding does not
+/// apply.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// `first → second → code → handle`; tables without a second label or a code use `""` / 0.
-type Table<V> = HashMap<String, HashMap<String, HashMap<u16, V>>>;
+type Table<V> = Map<String, Map<String, Map<u16, V>>>;
 
 struct Cache<V> {
     table: ArcSwap<Table<V>>,
@@ -44,7 +50,7 @@ struct Cache<V> {
 impl<V: Clone> Cache<V> {
     fn new(cap: usize) -> Self {
         Cache {
-            table: ArcSwap::from_pointee(HashMap::new()),
+            table: ArcSwap::from_pointee(Table::default()),
             insert: Mutex::new(0),
             cap,
         }
