@@ -381,7 +381,9 @@ struct Idle {
     since: Instant,
 }
 
-type Stacks = Mutex<HashMap<usize, VecDeque<Idle>>>;
+/// Keyed by backend uid, hashed with foldhash (looked up twice per request; SipHash is for
+/// keys an attacker picks, and these are the router's own).
+type Stacks = Mutex<HashMap<usize, VecDeque<Idle>, foldhash::fast::RandomState>>;
 
 /// Per-backend stacks of idle connections, one set per request worker.
 pub struct ConnPool {
@@ -402,7 +404,7 @@ impl ConnPool {
     ) -> Self {
         ConnPool {
             shards: (0..=workers.min(crate::workers::MAX_WORKERS))
-                .map(|_| Mutex::new(HashMap::new()))
+                .map(|_| Mutex::new(HashMap::default()))
                 .collect(),
             max_idle,
             idle_timeout,
