@@ -308,11 +308,8 @@ pub trait Picker: Plugin + AsPlugin {
     fn pick(&self, candidates: &[Candidate<'_>], totals: &[f64]) -> Option<usize>;
 }
 
-/// The tied leaders of one decision: on the stack for up to eight.
-pub type Top = smallvec::SmallVec<[usize; 8]>;
-
 /// Indices of the entries within a hair of the maximum, so ties are detected despite rounding.
-pub fn top_indices(totals: &[f64], out: &mut Top) {
+pub fn top_indices(totals: &[f64], out: &mut Vec<usize>) {
     out.clear();
     let max = totals.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let eps = 1e-9 * max.abs().max(1.0);
@@ -350,9 +347,9 @@ mod tests {
 
     #[test]
     fn top_indices_finds_ties() {
-        let mut out = Top::new();
+        let mut out = Vec::new();
         top_indices(&[1.0, 3.0, 3.0 - 1e-12, 2.0], &mut out);
-        assert_eq!(out.as_slice(), [1, 2]);
+        assert_eq!(out, vec![1, 2]);
         top_indices(&[], &mut out);
         assert!(out.is_empty());
     }

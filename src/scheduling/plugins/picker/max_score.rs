@@ -28,7 +28,7 @@ impl Picker for MaxScorePicker {
         if candidates.is_empty() {
             return None;
         }
-        let mut top = crate::scheduling::framework::Top::new();
+        let mut top = Vec::with_capacity(4);
         top_indices(totals, &mut top);
         match top.len() {
             0 => Some(fastrand::usize(..candidates.len())),

@@ -208,8 +208,7 @@ impl PrefixIndex {
         }
         // alive[w] = candidates (by bit) in word w whose records are current.
         let words = candidates.iter().map(|(b, _)| b / WORD).max().unwrap_or(0) + 1;
-        // On the stack for fleets of up to 64 backends (one word), as are the depths.
-        let mut alive: smallvec::SmallVec<[Mask; 1]> = smallvec::smallvec![0; words];
+        let mut alive: Vec<Mask> = vec![0; words];
         {
             let lrus = self.lrus.read().unwrap_or_else(PoisonError::into_inner);
             for (backend, epoch) in candidates {
@@ -220,7 +219,7 @@ impl PrefixIndex {
                 }
             }
         }
-        let mut depths: smallvec::SmallVec<[usize; WORD]> = smallvec::smallvec![0; words * WORD];
+        let mut depths = vec![0usize; words * WORD];
         for (w, set) in alive.iter().enumerate() {
             if *set == 0 {
                 continue;

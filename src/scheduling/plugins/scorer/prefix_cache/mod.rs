@@ -345,12 +345,6 @@ pub enum Grant {
 }
 
 /// Data kept for one request, across all of its decisions.
-/// Candidates whose per-decision temporaries fit on the stack.
-const STACK: usize = 8;
-
-/// One value per candidate, for the length of a decision.
-type PerCandidate<T> = smallvec::SmallVec<[T; STACK]>;
-
 struct Scratch {
     /// The prompt's block hashes, computed once per request.
     hashes: Vec<u64>,
@@ -621,12 +615,11 @@ impl PrefixCacheScorer {
         };
         let mut precise = Vec::new();
         let exact = self.precise_matches(request, candidates, &mut chains, &mut precise);
-        // Per-candidate temporaries live on the stack for up to `STACK` candidates.
-        let ids: PerCandidate<(usize, u64)> = candidates
+        let ids: Vec<(usize, u64)> = candidates
             .iter()
             .map(|c| (c.backend.id, c.state.epoch))
             .collect();
-        let mut matched: PerCandidate<usize> = smallvec::smallvec![0; candidates.len()];
+        let mut matched = vec![0usize; candidates.len()];
         self.index.match_lengths(&hashes, &ids, &mut matched);
         let n = hashes.len();
         let chars_per_token = self.params.chars_per_token;
@@ -656,7 +649,7 @@ impl PrefixCacheScorer {
         let now = now_ms();
         // Each candidate's recent work, read once for the decision: the bounded load and
         // replication judge by it, and its mean makes a prefix hot (`Scratch::fair`).
-        let work: PerCandidate<f64> = candidates
+        let work: Vec<f64> = candidates
             .iter()
             .map(|c| c.backend.work().recent_tokens(now))
             .collect();
@@ -701,7 +694,7 @@ impl PrefixCacheScorer {
         if longest >= hashes.len() {
             return 0.0;
         }
-        let mut out: PerCandidate<bool> = smallvec::smallvec![false; ids.len()];
+        let mut out = vec![false; ids.len()];
         self.index.returned(hashes, ids, matched, &mut out);
         if out.iter().zip(matched).any(|(r, m)| *r && *m == longest) {
             (hashes.len() - longest) as f64 / hashes.len() as f64
@@ -896,8 +889,8 @@ impl PrefixCacheScorer {
         candidates: &[Candidate<'_>],
         chains: &mut Vec<Chain>,
         precise: &mut Vec<(usize, usize, usize)>,
-    ) -> PerCandidate<Option<(usize, usize, usize)>> {
-        let mut out: PerCandidate<_> = smallvec::smallvec![None; candidates.len()];
+    ) -> Vec<Option<(usize, usize, usize)>> {
+        let mut out = vec![None; candidates.len()];
         if !self.params.precise || request.tokens.is_none() {
             return out;
         }
@@ -1135,7 +1128,7 @@ impl Scorer for PrefixCacheScorer {
                         .iter()
                         .map(|c| c.backend.work().recent_placed(now))
                         .collect();
-                    let work: PerCandidate<f64> = candidates
+                    let work: Vec<f64> = candidates
                         .iter()
                         .map(|c| c.backend.work().recent_tokens(now))
                         .collect();
