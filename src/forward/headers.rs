@@ -46,7 +46,6 @@ pub fn request_headers(
     backend_authorization: Option<&HeaderValue>,
     forward_client_authorization: bool,
 ) {
-    out.reserve(from.len().saturating_add(2));
     for (name, value) in from {
         if is_hop_by_hop(name, from) || name == header::HOST || name == header::CONTENT_LENGTH {
             continue;

@@ -372,7 +372,7 @@ async fn forward(
     tag(&config, &mut parts, tenant, &mut view);
     let request_id = parts
         .headers
-        .get("x-request-id")
+        .get(crate::forward::headers::REQUEST_ID)
         .filter(|v| !v.is_empty() && v.len() <= 128)
         .cloned()
         .unwrap_or_else(new_request_id);
