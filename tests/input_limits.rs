@@ -25,6 +25,14 @@ async fn read_until_close(stream: &mut TcpStream) -> Vec<u8> {
     }
 }
 
+/// Send `request` as raw bytes on a fresh connection; the raw answer, read until the router
+/// closes it.
+async fn send_raw(router: &TestRouter, request: &[u8]) -> Vec<u8> {
+    let mut s = TcpStream::connect(router.addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    read_until_close(&mut s).await
+}
+
 /// A chat request head with one `x-pad` header, `total` bytes long up to (not including) the
 /// blank line that would end it.
 fn padded_head(total: usize) -> Vec<u8> {
@@ -150,9 +158,7 @@ async fn oversized_request_head_gets_431_and_reaches_no_backend() {
 
     // A head that is still incomplete at the limit: exactly the limit's worth of bytes, so the
     // router has read everything sent when it answers (no reset discards the answer).
-    let mut s = TcpStream::connect(router.addr).await.unwrap();
-    s.write_all(&padded_head(16_384)).await.unwrap();
-    let answer = read_until_close(&mut s).await;
+    let answer = send_raw(&router, &padded_head(16_384)).await;
     let text = String::from_utf8_lossy(&answer);
     assert!(
         text.starts_with("HTTP/1.1 431"),
@@ -171,9 +177,7 @@ async fn oversized_request_head_gets_431_and_reaches_no_backend() {
         .as_bytes(),
     );
     head.extend_from_slice(body);
-    let mut s = TcpStream::connect(router.addr).await.unwrap();
-    s.write_all(&head).await.unwrap();
-    let answer = read_until_close(&mut s).await;
+    let answer = send_raw(&router, &head).await;
     assert!(
         answer.starts_with(b"HTTP/1.1 200"),
         "{:?}",
@@ -359,9 +363,7 @@ async fn a_body_sent_in_several_chunks_reaches_the_backend_byte_for_byte() {
         request.extend_from_slice(b"\r\n");
     }
     request.extend_from_slice(b"0\r\n\r\n");
-    let mut s = TcpStream::connect(router.addr).await.unwrap();
-    s.write_all(&request).await.unwrap();
-    let answer = read_until_close(&mut s).await;
+    let answer = send_raw(&router, &request).await;
     assert!(
         answer.starts_with(b"HTTP/1.1 200"),
         "{}",
