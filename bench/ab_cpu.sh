@@ -7,11 +7,11 @@
 #   FLOOR=1 bench/ab_cpu.sh 5 6 new=target/dist/inferlb       # with the hyper-floor row
 #   EVENTS=syscalls:sys_enter_write,syscalls:sys_enter_futex bench/ab_cpu.sh 5 1 new=…
 #
-# Every binary proxies to the same two nginx `return 200` backends (as bench/profile_proxy.sh
-# sets them up). Each round drives every binary in turn with wrk -t2 -c64 non-streaming
-# (bench/wrk/post.lua) and, over a SECONDS window that starts a second into wrk's run, reads
-# the proxy's user and system CPU from /proc/PID/stat and counts context switches and syscalls
-# with `perf stat` (plus EVENTS). Requests in the window are wrk's rate times SECONDS, so the
+# Every binary proxies to the same two nginx `return 200` backends (bench/instant_backends.sh,
+# as bench/profile_proxy.sh uses them). Each round drives every binary in turn with wrk -t2
+# -c64 non-streaming (bench/wrk/post.lua) and, over a SECONDS window that starts a second
+# into wrk's run, reads the proxy's user and system CPU from /proc/PID/stat and counts context
+# switches and syscalls with `perf stat` (plus EVENTS). Requests in the window are wrk's rate times SECONDS, so the
 # per-request figures are approximate in the same way for every row. Single rounds on 2 shared
 # cores spread by ±15 %; the last lines give each row's medians and, per round, each row's
 # user+sys against the first row's (the paired ratio), whose median is the figure to quote.
@@ -28,28 +28,9 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-ANSWER='{"id":"cmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":48,"completion_tokens":100,"total_tokens":148}}'
-MODELS='{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}'
-B1=$(free_port); B2=$(free_port)
-mkdir -p "$WORK/logs"
-chmod 755 "$WORK"
-cp ../shared/vllm-metrics/vllm-0.32-cpu.txt "$WORK/metrics.txt" 2>/dev/null \
-  || printf 'vllm:num_requests_running{model_name="bench"} 0.0\nvllm:num_requests_waiting{model_name="bench"} 0.0\nvllm:kv_cache_usage_perc{model_name="bench"} 0.0\n' >"$WORK/metrics.txt"
-chmod 644 "$WORK/metrics.txt"
-{
-  echo "worker_processes 1; pid $WORK/nginx.pid; error_log $WORK/logs/error.log warn;"
-  echo "events { worker_connections 8192; } http { access_log off;"
-  for b in $B1 $B2; do
-    echo "server { listen 127.0.0.1:$b; keepalive_requests 1000000;"
-    echo "  location = /metrics { default_type text/plain; alias $WORK/metrics.txt; }"
-    echo "  location = /health { return 200 ''; }"
-    echo "  location = /v1/models { default_type application/json; return 200 '$MODELS'; }"
-    echo "  location / { default_type application/json; return 200 '$ANSWER'; } }"
-  done
-  echo "}"
-} >"$WORK/nginx.conf"
-nginx -p "$WORK" -c "$WORK/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+# shellcheck source=bench/instant_backends.sh
+. bench/instant_backends.sh
+start_instant_backends
 declare -A PID URL
 NAMES=()
 for spec in "$@"; do

@@ -18,29 +18,10 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-ANSWER='{"id":"cmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":48,"completion_tokens":100,"total_tokens":148}}'
-MODELS='{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}'
-B1=$(free_port); B2=$(free_port); P=$(free_port)
-mkdir -p "$WORK/logs"
-chmod 755 "$WORK"
-# a real vLLM /metrics page (the poller reads it; a backend without one is not ready)
-cp ../shared/vllm-metrics/vllm-0.32-cpu.txt "$WORK/metrics.txt" 2>/dev/null \
-  || printf 'vllm:num_requests_running{model_name="bench"} 0.0\nvllm:num_requests_waiting{model_name="bench"} 0.0\nvllm:kv_cache_usage_perc{model_name="bench"} 0.0\n' >"$WORK/metrics.txt"
-chmod 644 "$WORK/metrics.txt"
-{
-  echo "worker_processes 1; pid $WORK/nginx.pid; error_log $WORK/logs/error.log warn;"
-  echo "events { worker_connections 8192; } http { access_log off;"
-  for b in $B1 $B2; do
-    echo "server { listen 127.0.0.1:$b; keepalive_requests 1000000;"
-    echo "  location = /metrics { default_type text/plain; alias $WORK/metrics.txt; }"
-    echo "  location = /health { return 200 ''; }"
-    echo "  location = /v1/models { default_type application/json; return 200 '$MODELS'; }"
-    echo "  location / { default_type application/json; return 200 '$ANSWER'; } }"
-  done
-  echo "}"
-} >"$WORK/nginx.conf"
-nginx -p "$WORK" -c "$WORK/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+# shellcheck source=bench/instant_backends.sh
+. bench/instant_backends.sh
+start_instant_backends
+P=$(free_port)
 "$LB" --listen "127.0.0.1:$P" --backend "http://127.0.0.1:$B1" --backend "http://127.0.0.1:$B2" \
   >"$WORK/inferlb.log" 2>&1 & LBPID=$!; PIDS+=($LBPID)
 for _ in $(seq 300); do
