@@ -21,22 +21,24 @@ const HOP_BY_HOP: &[HeaderName] = &[
     header::UPGRADE,
 ];
 
-/// Is `name` hop-by-hop: in the fixed set, or named by a `Connection` header of `headers`?
-/// Allocation-free (it runs for every header of every request and response): the
-/// `Connection` values are compared in place, ASCII case-insensitively, instead of being
-/// parsed into header names.
-fn is_hop_by_hop(name: &HeaderName, headers: &HeaderMap) -> bool {
-    HOP_BY_HOP.contains(name)
-        || name.as_str() == "keep-alive"
-        || headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-            .any(|listed| {
-                listed
-                    .trim_ascii()
-                    .eq_ignore_ascii_case(name.as_str().as_bytes())
-            })
+/// A judge of hop-by-hop names for `headers`: the fixed set, plus the names its `Connection`
+/// headers list. The `Connection` values are looked up once per map (not once per header)
+/// and compared in place, ASCII case-insensitively, instead of being parsed into header
+/// names: this runs for every header of every request and response.
+fn hop_by_hop(headers: &HeaderMap) -> impl Fn(&HeaderName) -> bool + '_ {
+    let listed = headers.get_all(header::CONNECTION);
+    move |name| {
+        HOP_BY_HOP.contains(name)
+            || name.as_str() == "keep-alive"
+            || listed
+                .iter()
+                .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+                .any(|listed| {
+                    listed
+                        .trim_ascii()
+                        .eq_ignore_ascii_case(name.as_str().as_bytes())
+                })
+    }
 }
 
 /// Copy the end-to-end headers of a client request into `out`, for the backend.
@@ -46,8 +48,9 @@ pub fn request_headers(
     backend_authorization: Option<&HeaderValue>,
     forward_client_authorization: bool,
 ) {
+    let hop = hop_by_hop(from);
     for (name, value) in from {
-        if is_hop_by_hop(name, from) || name == header::HOST || name == header::CONTENT_LENGTH {
+        if hop(name) || name == header::HOST || name == header::CONTENT_LENGTH {
             continue;
         }
         if name == header::AUTHORIZATION
@@ -64,18 +67,23 @@ pub fn request_headers(
 
 /// Drop hop-by-hop headers from a backend response before it goes to the client.
 pub fn strip_response_headers(headers: &mut HeaderMap) {
-    // Usually just `Connection: keep-alive`, or nothing: look before collecting.
-    if !headers.keys().any(|n| is_hop_by_hop(n, headers)) {
-        return;
+    // Usually just `Connection: keep-alive`, or nothing. One name at a time, judged afresh
+    // after each removal, so no list of names is allocated; `Connection` itself goes last,
+    // as what it lists is judged by it. Each pass removes a name, so the loop ends.
+    loop {
+        let next = {
+            let hop = hop_by_hop(headers);
+            headers
+                .keys()
+                .find(|n| *n != header::CONNECTION && hop(n))
+                .cloned()
+        };
+        match next {
+            Some(name) => headers.remove(&name),
+            None => break,
+        };
     }
-    let doomed: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| is_hop_by_hop(n, headers))
-        .cloned()
-        .collect();
-    for name in doomed {
-        headers.remove(name);
-    }
+    headers.remove(header::CONNECTION);
 }
 
 #[cfg(test)]
@@ -140,5 +148,16 @@ mod tests {
         strip_response_headers(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("content-type"));
+        // A name `Connection` lists goes too, whatever the order of the two.
+        for pairs in [
+            [("connection", "Keep-Alive, X-Secret"), ("x-secret", "1")],
+            [("x-secret", "1"), ("connection", "keep-alive,x-secret ")],
+        ] {
+            let mut h = map(&pairs);
+            h.append("content-type", HeaderValue::from_static("application/json"));
+            strip_response_headers(&mut h);
+            let names: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+            assert_eq!(names, vec!["content-type"], "{pairs:?}");
+        }
     }
 }
