@@ -249,9 +249,11 @@ impl Config {
             admin: self.admin.clone(),
             max_body_bytes: self.max_body_bytes,
             max_messages: self.limits.max_messages,
-            session_header: self.session_header.clone(),
+            // Both names were checked by `validate`.
+            session_header: http::HeaderName::from_bytes(self.session_header.as_bytes()).ok(),
             session_from_user: self.session_from_user,
             priority: self.priority.clone(),
+            priority_header: http::HeaderName::from_bytes(self.priority.header.as_bytes()).ok(),
             allow_client_kv_transfer_params: self.forward.allow_client_kv_transfer_params,
         }
     }

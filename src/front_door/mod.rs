@@ -47,9 +47,13 @@ pub struct Settings {
     pub admin: status::AdminConfig,
     pub max_body_bytes: usize,
     pub max_messages: usize,
-    pub session_header: String,
+    /// `session_header`, parsed once (`None` only in a default-built value): a `&str` name is
+    /// parsed again on every lookup.
+    pub session_header: Option<header::HeaderName>,
     pub session_from_user: bool,
     pub priority: crate::scheduling::priority::PriorityConfig,
+    /// `priority.header`, parsed once.
+    pub priority_header: Option<header::HeaderName>,
     /// `forward.allow_client_kv_transfer_params`.
     pub allow_client_kv_transfer_params: bool,
 }
@@ -74,8 +78,9 @@ pub struct AppState {
 
 /// Request header asking for the decision summary (`1`); honoured with `admin.explain` or
 /// with the admin token in [`ADMIN_TOKEN_HEADER`].
-pub const EXPLAIN_HEADER: &str = "x-inferlb-explain";
-pub const ADMIN_TOKEN_HEADER: &str = "x-inferlb-admin-token";
+pub const EXPLAIN_HEADER: header::HeaderName = header::HeaderName::from_static("x-inferlb-explain");
+pub const ADMIN_TOKEN_HEADER: header::HeaderName =
+    header::HeaderName::from_static("x-inferlb-admin-token");
 /// Response header carrying the summary of the request's last scheduling decision.
 pub const DECISION_HEADER: &str = "x-inferlb-decision";
 
@@ -428,9 +433,10 @@ fn tag(
     tenant: Option<auth::Tenant>,
     view: &mut RequestView,
 ) {
-    let header = parts
-        .headers
-        .get(config.session_header.as_str())
+    let header = config
+        .session_header
+        .as_ref()
+        .and_then(|name| parts.headers.get(name))
         .filter(|v| !v.is_empty())
         .map(|v| xxhash_rust::xxh3::xxh3_64(v.as_bytes()));
     view.session = if config.session_from_user {
@@ -442,7 +448,10 @@ fn tag(
     let rule = tenant
         .and_then(|t| t.classes)
         .unwrap_or_else(|| ClassRule::global(&config.priority));
-    let asked = parts.headers.remove(config.priority.header.as_str());
+    let asked = config
+        .priority_header
+        .as_ref()
+        .and_then(|name| parts.headers.remove(name));
     view.priority = class_of(&config.priority, asked.as_ref(), rule);
 }
 
