@@ -128,7 +128,8 @@ fn prompt_corpus() {
         let completions = RequestView::parse(Operation::Completions, data);
         let other = RequestView::parse(Operation::Other, data);
         // Two readings of "is it JSON": the syntax alone (any value skipped, as serde skips
-        // unknown fields: numbers out of f64 range and invalid UTF-8 inside strings pass),
+        // unknown fields: numbers out of f64 range and invalid UTF-8 inside strings pass; the
+        // router holds the whole body to UTF-8 but lets such numbers pass),
         // and a full value (both refused).
         let syntax = serde_json::from_slice::<serde::de::IgnoredAny>(data).is_ok();
         let value = serde_json::from_slice::<serde_json::Value>(data).ok();
@@ -147,8 +148,8 @@ fn prompt_corpus() {
             }
             None => {
                 // Known leniency, recorded rather than hidden: JSON syntax whose skipped
-                // fields hold an out-of-range number or invalid UTF-8 is passed on (the
-                // backend refuses it); the fields the router reads are checked in full.
+                // fields hold an out-of-range number is passed on (the backend refuses it);
+                // the fields the router reads are checked in full.
                 lenient += usize::from(chat.is_ok() || completions.is_ok() || other.is_ok());
             }
             Some(v) => {
@@ -198,7 +199,7 @@ fn prompt_corpus() {
     check_against_record("prompt", &outcomes);
     eprintln!(
         "prompt corpus: {} inputs, {not_json} not JSON (and {lenient} JSON apart from a skipped \
-         field's number or UTF-8, passed on), {chat_ok} chat, {completions_ok} completions \
+         field's number, passed on), {chat_ok} chat, {completions_ok} completions \
          ({string_prompts} string prompts), {deep} deeper than 64",
         inputs.len()
     );

@@ -173,6 +173,14 @@ impl RequestView {
                 "the request body must be a JSON object".into(),
             ));
         }
+        // UTF-8 checked once for the whole body, so the JSON reader need not check each
+        // string again (and a skipped field's bytes are held to it too, as vLLM holds them).
+        let body = std::str::from_utf8(body).map_err(|e| {
+            Error::InvalidRequest(format!(
+                "the request body is not valid UTF-8 (from byte {})",
+                e.valid_up_to()
+            ))
+        })?;
         match operation {
             Operation::ChatCompletions => parse_chat(body, limits),
             Operation::Completions => parse_completions(body),
@@ -276,8 +284,19 @@ pub(crate) fn render_content_of(
     };
     match json.as_bytes().first() {
         Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(json).map_err(|e| invalid(&e))?;
-            out.push_str(&text);
+            // Without a backslash a JSON string's text is what stands between its quotes (the
+            // raw value is valid JSON already): no second parse in the common case.
+            let plain = json
+                .strip_prefix('"')
+                .and_then(|j| j.strip_suffix('"'))
+                .filter(|text| !text.contains('\\'));
+            match plain {
+                Some(text) => out.push_str(text),
+                None => {
+                    let text: Cow<'_, str> = serde_json::from_str(json).map_err(|e| invalid(&e))?;
+                    out.push_str(&text);
+                }
+            }
         }
         Some(b'[') => {
             let parts: Vec<&RawValue> = serde_json::from_str(json).map_err(|e| invalid(&e))?;
@@ -336,8 +355,8 @@ enum PartError {
     },
 }
 
-fn parse_chat(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
-    let chat: ChatBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+fn parse_chat(body: &str, limits: &ParseLimits) -> Result<RequestView, Error> {
+    let chat: ChatBody<'_> = serde_json::from_str(body).map_err(invalid)?;
     let messages = chat.messages.ok_or(Error::MissingField("messages"))?;
     if messages.total == 0 {
         return Err(invalid_param("messages", "`messages` must not be empty"));
@@ -492,8 +511,8 @@ fn push_tokens(tokens: &[u32], out: &mut String) {
     }
 }
 
-fn parse_completions(body: &[u8]) -> Result<RequestView, Error> {
-    let req: CompletionBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+fn parse_completions(body: &str) -> Result<RequestView, Error> {
+    let req: CompletionBody<'_> = serde_json::from_str(body).map_err(invalid)?;
     let prompt = req.prompt.ok_or(Error::MissingField("prompt"))?;
     Numbers {
         temperature: req.temperature,
@@ -561,11 +580,11 @@ struct OtherBody<'a> {
     kv_transfer_params: Present,
 }
 
-fn parse_other(body: &[u8]) -> Result<RequestView, Error> {
-    let (model, user, kv_transfer_params) = if body.iter().all(u8::is_ascii_whitespace) {
+fn parse_other(body: &str) -> Result<RequestView, Error> {
+    let (model, user, kv_transfer_params) = if body.bytes().all(|b| b.is_ascii_whitespace()) {
         (None, None, false)
     } else {
-        let req: OtherBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+        let req: OtherBody<'_> = serde_json::from_str(body).map_err(invalid)?;
         (
             req.model.map(Cow::into_owned),
             req.user.map(|u| xxh3_64(u.as_bytes())),

@@ -85,8 +85,8 @@ struct Item<'a> {
     content: Option<&'a RawValue>,
 }
 
-pub(super) fn parse(body: &[u8], limits: &ParseLimits) -> Result<RequestView, Error> {
-    let req: ResponsesBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
+pub(super) fn parse(body: &str, limits: &ParseLimits) -> Result<RequestView, Error> {
+    let req: ResponsesBody<'_> = serde_json::from_str(body).map_err(invalid)?;
     let input = req.input.ok_or(Error::MissingField("input"))?;
     Numbers {
         temperature: req.temperature,

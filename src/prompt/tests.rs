@@ -28,6 +28,20 @@ fn chat_string_content_in_order() {
 }
 
 #[test]
+fn chat_string_content_with_and_without_escapes() {
+    // A plain string is taken between its quotes; one with escapes is decoded.
+    let v = chat(
+        r#"{"messages":[{"role":"user","content":"plain text"},
+            {"role":"user","content":"a\nb \"q\" \u00e9"},{"role":"user","content":""}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        v.routing_text.as_deref(),
+        Some("user\nplain text\n\nuser\na\nb \"q\" \u{e9}\n\nuser\n\n\n")
+    );
+}
+
+#[test]
 fn chat_prefix_is_shared_between_turns() {
     let one =
         chat(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"}]}"#)
@@ -338,6 +352,12 @@ fn deep_nesting_is_rejected_not_crashing() {
 fn invalid_utf8_is_rejected() {
     let body = b"{\"prompt\":\"\xff\xfe\"}";
     assert!(RequestView::parse(Operation::Completions, body).is_err());
+    // In a field the router skips too: the whole body is held to UTF-8.
+    let skipped = b"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"x\":\"\xff\"}";
+    for op in [Operation::ChatCompletions, Operation::Other] {
+        let err = RequestView::parse(op, skipped).unwrap_err();
+        assert!(err.to_string().contains("UTF-8"), "{op:?}: {err}");
+    }
 }
 
 #[test]
