@@ -352,7 +352,7 @@ async fn forward(
         )?,
         _ => None,
     };
-    if form_boundary.is_none() && crate::prompt::json_depth(&body) > server.max_json_depth {
+    if form_boundary.is_none() && crate::prompt::deeper_than(&body, server.max_json_depth) {
         return Err(Error::InvalidRequest(format!(
             "JSON nesting is deeper than the limit of {}",
             server.max_json_depth

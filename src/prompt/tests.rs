@@ -371,6 +371,17 @@ fn other_operations_read_model_only() {
 }
 
 #[test]
+fn deeper_than_counts_brackets_first_then_scans() {
+    // Few brackets in all: not deeper, without a scan.
+    assert!(!deeper_than(br#"{"a":[{"b":[1]}]}"#, 4));
+    assert!(deeper_than(br#"{"a":[{"b":[1]}]}"#, 3));
+    // Many brackets, but inside strings: the scan says not deeper.
+    assert!(!deeper_than(br#"{"a":"[[[[{{{{[[[[{{{{"}"#, 2));
+    assert!(deeper_than(&b"[".repeat(65), 64));
+    assert!(!deeper_than(&b"[".repeat(64), 64));
+}
+
+#[test]
 fn json_depth_counts_outside_strings() {
     assert_eq!(json_depth(b"{}"), 1);
     assert_eq!(json_depth(br#"{"a":[{"b":[1]}]}"#), 4);

@@ -271,6 +271,11 @@ fn json_string(buf: &mut Vec<u8>, s: &str) {
 /// `s` as it is, control characters escaped (so a value cannot forge a line).
 fn text_value(buf: &mut Vec<u8>, s: &str) {
     let bytes = s.as_bytes();
+    // Nearly always nothing to escape: one check over the whole value (vectorised), one copy.
+    if bytes.iter().all(|&b| b >= 0x20 && b != 0x7f) {
+        buf.extend_from_slice(bytes);
+        return;
+    }
     let mut start = 0;
     for (i, &b) in bytes.iter().enumerate() {
         if b >= 0x20 && b != 0x7f {
