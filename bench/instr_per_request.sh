@@ -16,7 +16,11 @@
 # (instrumentation switched on and off around it with callgrind_control). Requests are wrk's
 # count for that window. The poller's work (a timer, not a request's) is taken out: it is the
 # inclusive count of `Poller::run`, and under valgrind's ~30× slowdown it would otherwise be a
-# tenth of the total. Needs valgrind, nginx, wrk (Debian: valgrind nginx-light wrk).
+# tenth of the total. Other work that runs per second, not per request (the log writer's
+# flushes, timers), is spread over however many requests valgrind got through, so compare
+# binaries in one run on a quiet machine with SECONDS of 12 or more: a 4 s window on a busy
+# machine read 77.3k where 12 s on a quiet one read 75.7k for the same binary.
+# Needs valgrind, nginx, wrk (Debian: valgrind nginx-light wrk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-15}
@@ -72,7 +76,7 @@ name, requests, top, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sy
 total = poller = 0
 funcs = {}
 for f in files:
-    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", f],
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--auto=no", "--threshold=100", f],
                          capture_output=True, text=True).stdout
     for line in out.splitlines():
         m = re.match(r"^\s*([\d,]+) \([^)]*\)\s+(.*)$", line)
