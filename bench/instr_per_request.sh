@@ -9,6 +9,8 @@
 #   bench/instr_per_request.sh [SECONDS=15] NAME=BINARY [NAME=BINARY…]
 #   FLOOR=1 bench/instr_per_request.sh 15 new=target/release/inferlb   # with the hyper floor
 #   TOP=40 bench/instr_per_request.sh 15 new=…   # and each binary's 40 costliest inferlb functions
+#   bench/instr_per_request.sh 15 on=BIN "off=BIN --log-level info,inferlb::access=off"
+#                                      # words after the binary are its extra arguments
 #
 # Each binary runs under `valgrind --tool=callgrind --instr-atstart=no` in front of the two
 # nginx `return 200` backends of bench/instant_backends.sh, is warmed for 3 s with
@@ -43,13 +45,16 @@ SPECS=("$@")
 [ -n "${FLOOR:-}" ] && SPECS+=("floor=$FLOOR_BIN")
 echo "# bench/instr_per_request.sh $DUR $*${FLOOR:+ (FLOOR=1)}; $(git rev-parse --short HEAD); callgrind outputs in $OUT"
 for spec in "${SPECS[@]}"; do
-  name=${spec%%=*}; bin=${spec#*=}
+  name=${spec%%=*}
+  read -ra words <<<"${spec#*=}"
+  bin=${words[0]}; extra=("${words[@]:1}")
   [ -x "$bin" ] || { echo "instr_per_request.sh: $bin is not an executable" >&2; exit 1; }
   port=$(free_port)
+  rm -f "$OUT/$name".*   # a reused OUT must not add an earlier run's counts
   if [ "$name" = floor ]; then
     args=("127.0.0.1:$port" "127.0.0.1:$B1" "127.0.0.1:$B2")
   else
-    args=(--listen "127.0.0.1:$port" --backend "http://127.0.0.1:$B1" --backend "http://127.0.0.1:$B2")
+    args=(--listen "127.0.0.1:$port" --backend "http://127.0.0.1:$B1" --backend "http://127.0.0.1:$B2" "${extra[@]}")
   fi
   valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$OUT/$name.%p" \
     "$bin" "${args[@]}" >"$WORK/$name.log" 2>&1 &
