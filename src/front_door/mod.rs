@@ -272,9 +272,9 @@ async fn proxy_as(
     };
     let model = model.unwrap_or_else(|| t::OTHER_MODEL.into());
     let Some(trace) = trace else {
-        return count(&app, result, model);
+        return count(&app, result, &model);
     };
-    let mut response = count(&app, result, model.clone());
+    let mut response = count(&app, result, &model);
     if explain {
         let summary = match trace.last_decision() {
             Some(record) => decisions::summary(&record, trace.picks(), trace.pd().as_ref(), 4096),
@@ -300,7 +300,7 @@ async fn proxy_as(
     access::log_at_end(response, entry, received_at)
 }
 
-fn count(app: &AppState, result: Result<Response, Error>, model: String) -> Response {
+fn count(app: &AppState, result: Result<Response, Error>, model: &str) -> Response {
     match result {
         Ok(response) => {
             let backend = response
@@ -308,12 +308,12 @@ fn count(app: &AppState, result: Result<Response, Error>, model: String) -> Resp
                 .get(&app.backend_header)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("none");
-            t::handles::requests_total(backend, &model, response.status()).increment(1);
+            t::handles::requests_total(backend, model, response.status()).increment(1);
             response
         }
         Err(err) => {
             let status = err.parts().0;
-            t::handles::requests_total("none", &model, status).increment(1);
+            t::handles::requests_total("none", model, status).increment(1);
             if status.is_server_error() {
                 tracing::warn!(error = %err, "request failed");
             } else {
