@@ -24,12 +24,9 @@ shift 2 || { echo "usage: bench/ab_cpu.sh SECONDS ROUNDS NAME=BINARY…" >&2; ex
 [ $# -ge 1 ] || { echo "usage: bench/ab_cpu.sh SECONDS ROUNDS NAME=BINARY…" >&2; exit 2; }
 for c in nginx wrk perf python3 curl; do command -v "$c" >/dev/null || { echo "ab_cpu.sh: needs $c" >&2; exit 1; }; done
 FLOOR_BIN=${FLOOR_BIN:-target/dist/examples/hyper_floor}
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
 # shellcheck source=bench/instant_backends.sh
 . bench/instant_backends.sh
+bench_scratch
 start_instant_backends
 declare -A PID URL
 NAMES=()
@@ -76,7 +73,7 @@ path, name, rps, dur, t0, t1, tck = sys.argv[1:]
 n = float(rps) * float(dur)
 (u0, s0), (u1, s1) = (map(int, t.split()) for t in (t0, t1))
 us = 1e6 / int(tck) / n
-out = [f"{name} rps={float(rps):.0f} user_us={(u1 - u0) * us:.1f} sys_us={(s1 - s0) * us:.1f}"]
+out = [f"{name} rps={float(rps):.0f} user_us={(u1 - u0) * us:.1f} sys_us={(s1 - s0) * us:.1f} total_us={(u1 - u0 + s1 - s0) * us:.1f}"]
 for line in open(path):
     p = line.strip().split(",")
     if len(p) < 3 or not p[0] or p[0].startswith("<") or p[2] == "task-clock":
@@ -86,26 +83,4 @@ print(" ".join(out))
 PY
   done
 done
-python3 - "$WORK/rows.txt" <<'PY'
-import collections, statistics, sys
-rows = collections.defaultdict(lambda: collections.defaultdict(list))
-order = []
-for line in open(sys.argv[1]):
-    name, *cells = line.split()
-    if name not in rows:
-        order.append(name)
-    for cell in cells:
-        k, v = cell.split("=", 1)
-        rows[name][k].append(float(v))
-print("\n## medians per request (user+sys: µs of the proxy's CPU)")
-for name in order:
-    r = rows[name]
-    total = [u + s for u, s in zip(r["user_us"], r["sys_us"])]
-    r["total"] = total
-    extra = " ".join(f"{k}={statistics.median(v):.2f}" for k, v in r.items() if k not in ("rps", "user_us", "sys_us", "total"))
-    print(f"{name}: req/s {statistics.median(r['rps']):.0f}, user {statistics.median(r['user_us']):.1f}, sys {statistics.median(r['sys_us']):.1f}, user+sys {statistics.median(total):.1f} (rounds {len(total)}); {extra}")
-first = order[0]
-for name in order[1:]:
-    ratios = [b / a for a, b in zip(rows[first]["total"], rows[name]["total"])]
-    print(f"paired {name} / {first}, user+sys per round: median {statistics.median(ratios):.3f} ({' '.join(f'{x:.3f}' for x in ratios)})")
-PY
+bench/paired_rows.py "$WORK/rows.txt" total_us

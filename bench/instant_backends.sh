@@ -1,12 +1,61 @@
-# Sourced by bench/profile_proxy.sh and bench/ab_cpu.sh: two "instant" vLLM-shaped backends, one
-# nginx serving two ports with `return 200` and a chat-completion JSON, a real vLLM 0.32
-# `/metrics` page (the poller reads it; a backend without one is not ready), `/health` and
-# `/v1/models`.
+# Sourced by the proxy benches (bench/profile_proxy.sh, ab_cpu.sh, instr_per_request.sh,
+# pinned_cpu.sh; overhead.sh for the nginx proxy's configuration only):
 #
-#   start_instant_backends   # needs WORK (a scratch directory) and PIDS (an array); sets B1, B2
-#
-# Also defines free_port (a free 127.0.0.1 port).
+#   bench_scratch            # WORK (a scratch directory), PIDS (an array of processes to
+#                            # stop) and an EXIT trap that stops them and removes WORK
+#   start_instant_backends   # two "instant" vLLM-shaped backends (needs WORK and PIDS; sets
+#                            # B1, B2): one nginx serving two ports with `return 200` and a
+#                            # chat-completion JSON, a real vLLM 0.32 `/metrics` page (the poller
+#                            # reads it; a backend without one is not ready), `/health` and
+#                            # `/v1/models`
+#   write_nginx_proxy DIR PORT WORKERS BACKEND_PORT…
+#                            # DIR/nginx.conf for nginx as the reference proxy: round robin
+#                            # over the backends, keep-alive upstream, no access log, no buffering
+#   free_port                # a free 127.0.0.1 port
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+bench_scratch() {
+  WORK=$(mktemp -d)
+  PIDS=()
+  trap bench_cleanup EXIT
+}
+
+bench_cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+
+write_nginx_proxy() {
+  local dir=$1 port=$2 workers=$3 b
+  shift 3
+  mkdir -p "$dir/logs"
+  {
+    echo "worker_processes $workers;"
+    echo "pid $dir/nginx.pid;"
+    echo "error_log $dir/logs/error.log warn;"
+    echo "events { worker_connections 8192; }"
+    echo "http {"
+    echo "  access_log off;"
+    echo "  upstream backends {"
+    for b in "$@"; do echo "    server 127.0.0.1:$b;"; done
+    echo "    keepalive 256;"
+    echo "    keepalive_requests 1000000;"
+    echo "  }"
+    echo "  server {"
+    echo "    listen 127.0.0.1:$port;"
+    echo "    keepalive_requests 1000000;"
+    echo "    location / {"
+    echo "      proxy_pass http://backends;"
+    echo "      proxy_http_version 1.1;"
+    echo "      proxy_set_header Connection \"\";"
+    echo "      proxy_buffering off;"
+    echo "    }"
+    echo "  }"
+    echo "}"
+  } >"$dir/nginx.conf"
+}
 
 start_instant_backends() {
   local answer models b

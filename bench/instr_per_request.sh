@@ -34,12 +34,9 @@ done
 FLOOR_BIN=${FLOOR_BIN:-target/dist/examples/hyper_floor}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
 # shellcheck source=bench/instant_backends.sh
 . bench/instant_backends.sh
+bench_scratch
 start_instant_backends
 SPECS=("$@")
 [ -n "${FLOOR:-}" ] && SPECS+=("floor=$FLOOR_BIN")

@@ -55,7 +55,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# free_port and write_nginx_proxy (the nginx proxy row's configuration, shared with
+# bench/pinned_cpu.sh)
+# shellcheck source=bench/instant_backends.sh
+. bench/instant_backends.sh
 wait_http() { # URL [METHOD]: wait (≤ 30 s) until it answers 2xx
   for _ in $(seq 300); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
   echo "overhead.sh: $1 never became ready" >&2; exit 1
@@ -117,11 +120,10 @@ declare -A CPU_PID   # CPU_PID[row-mode]: the proxy's main process (its children
 for mode in whole stream; do
   if [ "$mode" = whole ]; then PORTS=("${WHOLE_PORTS[@]}"); else PORTS=("${STREAM_PORTS[@]}"); fi
   URL[direct-$mode]="http://127.0.0.1:${PORTS[0]}"
-  WORKERS=""; FLAGS=(); UPSTREAM=""
+  WORKERS=""; FLAGS=()
   for p in "${PORTS[@]}"; do
     FLAGS+=(--backend "http://127.0.0.1:$p")
     WORKERS+=" http://127.0.0.1:$p"
-    UPSTREAM+="    server 127.0.0.1:$p;"$'\n'
   done
 
   P=$(free_port)
@@ -152,30 +154,7 @@ for mode in whole stream; do
   fi
 
   P=$(free_port)
-  mkdir -p "$WORK/proxy-$mode/logs"
-  cat >"$WORK/proxy-$mode/nginx.conf" <<NGX
-worker_processes $NPROC;
-pid $WORK/proxy-$mode/nginx.pid;
-error_log $WORK/proxy-$mode/logs/error.log warn;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  upstream backends {
-$UPSTREAM    keepalive 256;
-    keepalive_requests 1000000;
-  }
-  server {
-    listen 127.0.0.1:$P;
-    keepalive_requests 1000000;
-    location / {
-      proxy_pass http://backends;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }
-  }
-}
-NGX
+  write_nginx_proxy "$WORK/proxy-$mode" "$P" "$NPROC" "${PORTS[@]}"
   "$NGINX" -p "$WORK/proxy-$mode" -c "$WORK/proxy-$mode/nginx.conf" -g 'daemon off;' &
   PIDS+=($!)
   CPU_PID[nginx-$mode]=$!

@@ -25,12 +25,9 @@ shift 2 || { echo "usage: bench/pinned_cpu.sh SECONDS ROUNDS NAME=BINARY…" >&2
 for c in nginx wrk taskset python3 curl; do command -v "$c" >/dev/null || { echo "pinned_cpu.sh: needs $c" >&2; exit 1; }; done
 [ "$(nproc)" -ge 2 ] || { echo "pinned_cpu.sh: needs 2 cores" >&2; exit 1; }
 FLOOR_BIN=${FLOOR_BIN:-target/dist/examples/hyper_floor}
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
 # shellcheck source=bench/instant_backends.sh
 . bench/instant_backends.sh
+bench_scratch
 # The backends (and, below, wrk) on CPU 0: taskset -c 0 on this shell is inherited.
 taskset -pc 0 $$ >/dev/null
 start_instant_backends
@@ -38,32 +35,7 @@ declare -A PID URL
 NAMES=()
 # nginx as the reference, one worker on CPU 1.
 P=$(free_port)
-mkdir -p "$WORK/proxy/logs"
-cat >"$WORK/proxy/nginx.conf" <<NGX
-worker_processes 1;
-pid $WORK/proxy/nginx.pid;
-error_log $WORK/proxy/logs/error.log warn;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  upstream backends {
-    server 127.0.0.1:$B1;
-    server 127.0.0.1:$B2;
-    keepalive 256;
-    keepalive_requests 1000000;
-  }
-  server {
-    listen 127.0.0.1:$P;
-    keepalive_requests 1000000;
-    location / {
-      proxy_pass http://backends;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }
-  }
-}
-NGX
+write_nginx_proxy "$WORK/proxy" "$P" 1 "$B1" "$B2"
 taskset -c 1 nginx -p "$WORK/proxy" -c "$WORK/proxy/nginx.conf" -g 'daemon off;' &
 PID[nginx]=$!; PIDS+=($!); URL[nginx]="http://127.0.0.1:$P"; NAMES+=(nginx)
 if [ -x "$FLOOR_BIN" ]; then
@@ -111,23 +83,4 @@ for round in $(seq "$ROUNDS"); do
       "$name" "$rps" "$DUR" "$t0" "$t1" "$(getconf CLK_TCK)" | tee -a "$WORK/rows.txt"
   done
 done
-python3 - "$WORK/rows.txt" <<'PY'
-import collections, statistics, sys
-rows = collections.defaultdict(lambda: collections.defaultdict(list))
-order = []
-for line in open(sys.argv[1]):
-    name, *cells = line.split()
-    if name not in rows:
-        order.append(name)
-    for cell in cells:
-        k, v = cell.split("=", 1)
-        rows[name][k].append(float(v))
-print("\n## medians (CPU: µs of the proxy's user + system time per request)")
-for name in order:
-    r = rows[name]
-    print(f"{name}: req/s {statistics.median(r['rps']):.0f}, CPU {statistics.median(r['cpu_us']):.2f} µs (rounds {len(r['cpu_us'])})")
-base = rows["nginx"]["cpu_us"]
-for name in order[1:]:
-    ratios = [b / a for a, b in zip(base, rows[name]["cpu_us"])]
-    print(f"paired {name} / nginx, CPU per request: median {statistics.median(ratios):.3f} ({' '.join(f'{x:.3f}' for x in ratios)})")
-PY
+bench/paired_rows.py "$WORK/rows.txt" cpu_us nginx

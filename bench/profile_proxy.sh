@@ -14,12 +14,9 @@ DUR=${1:-10}
 LB=${LB:-target/dist/inferlb}
 for c in nginx wrk perf; do command -v "$c" >/dev/null || { echo "profile_proxy.sh: needs $c" >&2; exit 1; }; done
 [ -x "$LB" ] || { echo "profile_proxy.sh: no $LB (build the dist profile first)" >&2; exit 1; }
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
 # shellcheck source=bench/instant_backends.sh
 . bench/instant_backends.sh
+bench_scratch
 start_instant_backends
 P=$(free_port)
 "$LB" --listen "127.0.0.1:$P" --backend "http://127.0.0.1:$B1" --backend "http://127.0.0.1:$B2" \
