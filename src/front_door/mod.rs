@@ -509,7 +509,9 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
         }
     };
     // A body in one frame (the usual case: it came with the head) is kept as it is; only a
-    // body in several frames is copied together.
+    // body in several frames is copied together. `collect().to_bytes()` does the same, but
+    // its buffer list cost ~1.7k more instructions per request (bench/instr_per_request.sh:
+    // 75.4k against 77.1k, same run).
     let mut body = Limited::new(body, limit);
     let mut first = Bytes::new();
     let mut joined: Option<bytes::BytesMut> = None;
