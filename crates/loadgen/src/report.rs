@@ -323,7 +323,11 @@ impl Summary {
                 f.preemptions, f.mean_waiting
             );
             for (url, share) in &f.request_share {
-                let _ = writeln!(s, "  {url}: {:.1}% of requests", share * 100.0);
+                let _ = write!(s, "  {url}: {:.1}% of requests", share * 100.0);
+                if let Some(hit) = f.hit_rate_by_backend.get(url) {
+                    let _ = write!(s, ", hit rate {hit:.3}");
+                }
+                let _ = writeln!(s);
             }
         }
         if !self.backend_share_header.is_empty() {

@@ -98,6 +98,9 @@ pub struct FleetReport {
     pub waiting_samples: u64,
     /// Δ`vllm:request_success_total` per backend URL, as a share of all backends' total.
     pub request_share: BTreeMap<String, f64>,
+    /// Δhits ÷ Δqueries per backend URL (absent for a backend queried nothing): which caches
+    /// a policy's placement starved or overfilled.
+    pub hit_rate_by_backend: BTreeMap<String, f64>,
     /// Backends whose `/metrics` could not be read before and after the run.
     pub scrape_failures: u64,
 }
@@ -195,8 +198,14 @@ impl FleetScraper {
             let after = Counters::from_page(page);
             // A counter that went backwards means the backend restarted: count from zero.
             let d = |a: f64, b: f64| if a >= b { a - b } else { a };
-            report.prefix_cache_hits += d(after.hits, before.hits);
-            report.prefix_cache_queries += d(after.queries, before.queries);
+            let (hits, queries) = (d(after.hits, before.hits), d(after.queries, before.queries));
+            report.prefix_cache_hits += hits;
+            report.prefix_cache_queries += queries;
+            if queries > 0.0 {
+                report
+                    .hit_rate_by_backend
+                    .insert(url.clone(), hits / queries);
+            }
             report.preemptions += d(after.preemptions, before.preemptions);
             successes.push((url.clone(), d(after.success, before.success)));
             match (

@@ -135,6 +135,18 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
         let fleet = s.fleet.as_ref().unwrap();
         assert_eq!(fleet.backends, 2);
         assert!(fleet.prefix_cache_queries > 0.0);
+        // Each queried backend's own hit rate, and the fleet's lies between them (it is
+        // their query-weighted mean).
+        let rates: Vec<f64> = fleet.hit_rate_by_backend.values().copied().collect();
+        assert!(!rates.is_empty(), "{fleet:?}");
+        assert!(rates.iter().all(|r| (0.0..=1.0).contains(r)), "{fleet:?}");
+        let (lo, hi) = rates
+            .iter()
+            .fold((1.0f64, 0.0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        assert!(
+            lo - 1e-9 <= fleet.hit_rate && fleet.hit_rate <= hi + 1e-9,
+            "{fleet:?}"
+        );
         // The router names the backend of every request.
         assert_eq!(s.backend_share_header.values().sum::<f64>().round(), 1.0);
     }
