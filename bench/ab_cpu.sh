@@ -46,14 +46,8 @@ if [ -n "${FLOOR:-}" ]; then
 fi
 # Every proxy answers a chat completion before any round (a backend is ready once polled).
 for name in "${NAMES[@]}"; do
-  for _ in $(seq 300); do
-    [ "$name" = floor ] && URL[floor]="http://$(head -1 "$WORK/floor.addr" 2>/dev/null)"
-    curl -sf -o /dev/null -H 'content-type: application/json' \
-      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}]}' \
-      "${URL[$name]}/v1/chat/completions" && continue 2
-    sleep 0.1
-  done
-  echo "ab_cpu.sh: $name never answered; its log: $(tail -3 "$WORK/$name.log" 2>/dev/null)" >&2; exit 1
+  [ "$name" = floor ] && URL[floor]=$(floor_url "$WORK/floor.addr")
+  wait_chat "${URL[$name]}" "$name"
 done
 echo "# bench/ab_cpu.sh $DUR $ROUNDS $*; $(git rev-parse --short HEAD); load $(cut -d' ' -f1-3 /proc/loadavg)"
 for round in $(seq "$ROUNDS"); do

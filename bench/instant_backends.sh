@@ -1,5 +1,5 @@
 # Sourced by the proxy benches (bench/profile_proxy.sh, ab_cpu.sh, instr_per_request.sh,
-# pinned_cpu.sh; overhead.sh for the nginx proxy's configuration only):
+# pinned_cpu.sh; overhead.sh for the nginx proxy's configuration, wait_chat and floor_url):
 #
 #   bench_scratch            # WORK (a scratch directory), PIDS (an array of processes to
 #                            # stop) and an EXIT trap that stops them and removes WORK
@@ -12,7 +12,31 @@
 #                            # DIR/nginx.conf for nginx as the reference proxy: round robin
 #                            # over the backends, keep-alive upstream, no access log, no buffering
 #   free_port                # a free 127.0.0.1 port
+#   wait_chat URL WHO [TRIES]
+#                            # wait until a chat completion through URL answers 2xx, trying
+#                            # every 0.1 s, TRIES times (300: 30 s); else name WHO, show the
+#                            # tail of WORK/WHO.log if there is one, and exit 1
+#   floor_url FILE           # the hyper floor's URL, once it has written its address to FILE
+#                            # (waits up to 10 s)
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+wait_chat() {
+  local _
+  for _ in $(seq "${3:-300}"); do
+    curl -sf -o /dev/null -H 'content-type: application/json' \
+      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}]}' \
+      "$1/v1/chat/completions" && return 0
+    sleep 0.1
+  done
+  echo "$(basename "$0"): $2 never answered a chat completion at $1; its log: $(tail -3 "$WORK/$2.log" 2>/dev/null)" >&2
+  exit 1
+}
+
+floor_url() {
+  local _
+  for _ in $(seq 100); do [ -s "$1" ] && break; sleep 0.1; done
+  echo "http://$(head -1 "$1" 2>/dev/null)"
+}
 
 bench_scratch() {
   WORK=$(mktemp -d)

@@ -57,13 +57,8 @@ for spec in "${SPECS[@]}"; do
     "$bin" "${args[@]}" >"$WORK/$name.log" 2>&1 &
   vg=$!; PIDS+=("$vg")
   url="http://127.0.0.1:$port/v1/chat/completions"
-  for _ in $(seq 600); do
-    curl -sf -o /dev/null -H 'content-type: application/json' \
-      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}]}' "$url" && break
-    sleep 0.2
-  done
-  curl -sf -o /dev/null -H 'content-type: application/json' -d '{"model":"bench","messages":[{"role":"user","content":"hi"}]}' "$url" \
-    || { echo "instr_per_request.sh: $name never answered; its log: $(tail -5 "$WORK/$name.log")" >&2; exit 1; }
+  # Up to 120 s: valgrind starts the binary ~30 × slower.
+  wait_chat "http://127.0.0.1:$port" "$name" 1200
   wrk -t1 -c8 -d3s -s bench/wrk/post.lua "$url" >/dev/null
   callgrind_control -i on "$vg" >/dev/null 2>&1
   wrk -t1 -c8 -d"${DUR}s" -s bench/wrk/post.lua "$url" >"$WORK/wrk.txt"

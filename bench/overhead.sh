@@ -63,15 +63,6 @@ wait_http() { # URL [METHOD]: wait (≤ 30 s) until it answers 2xx
   for _ in $(seq 300); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
   echo "overhead.sh: $1 never became ready" >&2; exit 1
 }
-wait_post() { # URL: wait (≤ 30 s) until a chat completion through it answers 200
-  for _ in $(seq 300); do
-    curl -sf -o /dev/null -H 'content-type: application/json' \
-      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":100}' \
-      "$1/v1/chat/completions" && return 0
-    sleep 0.1
-  done
-  echo "overhead.sh: $1 ($2) never answered a chat completion; its log: $WORK/$2.log" >&2; exit 1
-}
 
 # --- backends -------------------------------------------------------------------------
 WHOLE_PORTS=("$(free_port)" "$(free_port)")
@@ -149,8 +140,7 @@ for mode in whole stream; do
       2>"$WORK/floor-$mode.log" &
     PIDS+=($!)
     CPU_PID[hyper-floor-$mode]=$!
-    for _ in $(seq 100); do [ -s "$WORK/floor-$mode.addr" ] && break; sleep 0.1; done
-    URL[hyper-floor-$mode]="http://$(head -1 "$WORK/floor-$mode.addr")"
+    URL[hyper-floor-$mode]=$(floor_url "$WORK/floor-$mode.addr")
   fi
 
   P=$(free_port)
@@ -192,7 +182,7 @@ if [ -z "${NO_EXTERNAL:-}" ]; then
 fi
 for mode in whole stream; do
   for r in "${ROWS[@]}"; do
-    [ -n "${URL[$r-$mode]:-}" ] && wait_post "${URL[$r-$mode]}" "$r-$mode"
+    [ -n "${URL[$r-$mode]:-}" ] && wait_chat "${URL[$r-$mode]}" "$r-$mode"
   done
 done
 

@@ -51,14 +51,8 @@ for spec in "$@"; do
   PID[$name]=$!; PIDS+=($!); URL[$name]="http://127.0.0.1:$port"; NAMES+=("$name")
 done
 for name in "${NAMES[@]}"; do
-  for _ in $(seq 300); do
-    [ "$name" = floor ] && URL[floor]="http://$(head -1 "$WORK/floor.addr" 2>/dev/null)"
-    curl -sf -o /dev/null -H 'content-type: application/json' \
-      -d '{"model":"bench","messages":[{"role":"user","content":"hi"}]}' \
-      "${URL[$name]}/v1/chat/completions" && continue 2
-    sleep 0.1
-  done
-  echo "pinned_cpu.sh: $name never answered" >&2; exit 1
+  [ "$name" = floor ] && URL[floor]=$(floor_url "$WORK/floor.addr")
+  wait_chat "${URL[$name]}" "$name"
 done
 # CPU of a row: nginx's master and its worker; any other row is one process.
 cpu_of() {
