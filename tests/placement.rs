@@ -310,3 +310,121 @@ async fn a_repeated_prompt_that_lost_only_its_tail_is_not_thrash() {
     assert!(returns >= 5.0, "inferlb_prefix_returns_total {returns}");
     assert_eq!(new, x, "traffic decides: the returns lost only their tails");
 }
+
+/// Text of about `chars` characters of lowercase words drawn from `seed` (like loadgen's
+/// shared-prefix prompts, which tokenize at far fewer than 4 characters per token).
+fn words(seed: u64, chars: usize) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut s = String::with_capacity(chars + 16);
+    while s.len() < chars {
+        for _ in 0..(3 + x % 6) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            s.push(char::from(b'a' + (x % 26) as u8));
+        }
+        s.push(' ');
+    }
+    s
+}
+
+/// The value of the first sample of `name` on a Prometheus page.
+fn sample(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The prefix index sizes a backend's record of its cache by the characters per token it
+/// measured there, not by the assumed 4: a tokenizing simulator with a 4,096-token cache, sent
+/// prompts of words that tokenize at under 2 characters per token, is recorded at about
+/// 4,096 × that ratio characters, and the router's figure is the simulator's own count of the
+/// prompts' tokens. With `measure_chars_per_token = false` (or the measurement broken) the
+/// record keeps 4 characters per token, 256 blocks of 64, and this fails.
+#[tokio::test]
+async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
+    const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama");
+    let sim = common::sim::start(vllm_sim::SimConfig {
+        tokenizer: Some(FIXTURE.into()),
+        block_size: 16,
+        num_gpu_blocks: 256,
+        ..common::sim::config("tiny-llama")
+    })
+    .await;
+    let mut cfg = common::config_for([sim.url()]);
+    cfg.plugins.push(PluginSpec {
+        kind: "prefix-cache-scorer".into(),
+        name: None,
+        parameters: toml::Table::new(),
+    });
+    let router = start_router(cfg).await;
+    common::until_all_healthy(&router).await;
+    let client = common::client();
+    let url = router.url("/v1/completions");
+    let mut sent_chars = 0usize;
+    let mut send = |seed: u64| {
+        let prompt = words(seed, 1_500);
+        sent_chars += prompt.len();
+        let req = client
+            .post(&url)
+            .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}));
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+        }
+    };
+    for seed in 0..24 {
+        send(seed).await;
+    }
+    // The figure is published once the poller has read 8,192 tokens counted (bounded wait on
+    // the router's own report).
+    let mut measured = None;
+    for _ in 0..100 {
+        let v = common::admin_view(&router).await;
+        measured = v["backends"][0]["chars_per_token"]["measured"].as_f64();
+        if measured.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let measured = measured.expect("no characters per token measured within 5 s");
+    // One more prompt records the index at the size that figure gives.
+    send(24).await;
+    let tokens = sample(
+        &common::client()
+            .get(format!("{}/metrics", sim.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+        "vllm:prefix_cache_queries_total",
+    )
+    .expect("the simulator counts prompt tokens");
+    let truth = sent_chars as f64 / tokens;
+    assert!(
+        truth < 2.5,
+        "the prompts tokenize at {truth} characters per token"
+    );
+    assert!(
+        (measured / truth - 1.0).abs() < 0.1,
+        "measured {measured} characters per token, the simulator counted {truth}"
+    );
+    let page = common::metrics_at(&router.addr.to_string()).await;
+    assert_eq!(
+        sample(&page, "inferlb_backend_chars_per_token"),
+        Some(measured)
+    );
+    let blocks = sample(&page, "inferlb_prefix_index_blocks").unwrap();
+    let bound = (4_096.0 * measured / 64.0).ceil();
+    assert!(
+        blocks <= bound && blocks >= bound - 24.0,
+        "the index holds {blocks} blocks of 64 characters for a 4,096-token cache at \
+         {measured} characters per token (bound {bound}; 4 per token would be 256)"
+    );
+    router.shutdown().await;
+}

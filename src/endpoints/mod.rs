@@ -7,6 +7,7 @@
 //! and is the one signal that is fresh between two polls.
 
 pub mod capacity;
+pub mod chars_per_token;
 pub mod config;
 pub mod engine;
 pub mod membership;
@@ -96,6 +97,8 @@ pub struct BackendState {
     pub last_error: Option<String>,
     /// Has answered at least one scrape (the first answer admits at once).
     pub seen: bool,
+    /// Characters of routing text per token the backend counted, measured.
+    pub chars_per_token: chars_per_token::CharsPerToken,
 }
 
 /// Every backend instance starts its epochs in a range of its own, so affinity state recorded
@@ -125,6 +128,7 @@ impl BackendState {
             consecutive_successes: 0,
             last_error: None,
             seen: false,
+            chars_per_token: chars_per_token::CharsPerToken::default(),
         }
     }
 

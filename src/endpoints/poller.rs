@@ -140,6 +140,7 @@ struct Handles {
     inflight: metrics::Gauge,
     ejected: metrics::Gauge,
     kv_usage: metrics::Gauge,
+    chars_per_token: metrics::Gauge,
     waiting: metrics::Gauge,
     running: metrics::Gauge,
     /// `inferlb_backend_info{backend, role}`, always 1 (its labels are the information).
@@ -155,6 +156,7 @@ impl Handles {
             inflight: metrics::gauge!(t::BACKEND_INFLIGHT, "backend" => b.clone()),
             ejected: metrics::gauge!(t::BACKEND_EJECTED, "backend" => b.clone()),
             kv_usage: metrics::gauge!(t::BACKEND_KV_USAGE, "backend" => b.clone()),
+            chars_per_token: metrics::gauge!(t::BACKEND_CHARS_PER_TOKEN, "backend" => b.clone()),
             waiting: metrics::gauge!(t::BACKEND_WAITING, "backend" => b.clone()),
             running: metrics::gauge!(t::BACKEND_RUNNING, "backend" => b.clone()),
             info: metrics::gauge!(t::BACKEND_INFO, "backend" => b, "role" => backend.role.as_str()),
@@ -290,6 +292,8 @@ impl Poller {
         refresh_models: bool,
     ) {
         let started = Instant::now();
+        // Read before the scrape: every prompt counted here was counted by the backend.
+        let served_chars = backend.work().served_chars();
         let mut scrape = self.scrape(conn, target, backend).await;
         if target.filtered && matches!(scrape, Scrape::Unusable(_)) {
             tracing::info!(backend = %backend.name, path = %target.uri, "no usable filtered metrics page; reading /metrics whole");
@@ -300,7 +304,20 @@ impl Poller {
             .scrape_duration
             .record(started.elapsed().as_secs_f64());
         let prev = backend.state();
+        let fresh = matches!(scrape, Scrape::Ok(_));
         let mut next = next_state(&prev, scrape, &self.cfg, Instant::now());
+        if fresh {
+            let tokens = next
+                .metrics
+                .as_ref()
+                .and_then(|(m, _)| m.prefix_cache_queries);
+            next.chars_per_token =
+                prev.chars_per_token
+                    .observe(served_chars, tokens, next.epoch != prev.epoch);
+            if let Some(r) = next.chars_per_token.ratio() {
+                handles.chars_per_token.set(r);
+            }
+        }
         // Discover models at start, periodically, on re-admission, and while none are known.
         let need_models = !backend.static_models
             && next.healthy

@@ -45,6 +45,9 @@ pub struct SentWork {
     /// Recent prompt tokens of requests whose prefix was hot when they were sent (the
     /// prefix-cache scorer's count).
     hot: Recent,
+    /// Routing-text bytes of the prompts this backend has started answering, since the
+    /// backend joined (see [`super::chars_per_token`]).
+    served_chars: AtomicU64,
 }
 
 /// A quantity that decays with a half-life of [`RECENT_HALF_LIFE_MS`]: one atomic word (the
@@ -162,6 +165,17 @@ impl SentWork {
     /// Recent prompt tokens of hot prefixes sent here, decayed to `now_ms`.
     pub fn recent_hot(&self, now_ms: u64) -> f64 {
         self.hot.get(now_ms)
+    }
+
+    /// The backend started answering (a first byte with a success status) a prompt whose
+    /// routing text is `chars` bytes long: by then it has counted the prompt's tokens.
+    pub fn note_served_chars(&self, chars: u64) {
+        add(&self.served_chars, chars);
+    }
+
+    /// Routing-text bytes of every prompt [`Self::note_served_chars`] counted (saturating).
+    pub fn served_chars(&self) -> u64 {
+        self.served_chars.load(Ordering::Relaxed)
     }
 
     /// Recent prompt tokens sent (see the module doc), decayed to `now_ms`.

@@ -238,6 +238,11 @@ impl tower::Service<Dispatch> for Forwarder {
                 Ok(Ok(exchanged)) => exchanged,
             };
             let (mut parts, incoming) = response.into_parts();
+            let mut guard = guard;
+            // Only a prompt the backend accepted has had its tokens counted there.
+            if !parts.status.is_success() {
+                guard.prompt_not_served();
+            }
             // A 5xx is counted by the scheduling layer once the request is over (it may be
             // the request's fault, not the backend's); anything else is a success here.
             if !parts.status.is_server_error() {

@@ -636,6 +636,11 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "recent": b.work().recent_tokens(crate::clock::now_ms()).round(),
                     "recent_hot": b.work().recent_hot(crate::clock::now_ms()).round(),
                 },
+                "chars_per_token": {
+                    "measured": s.chars_per_token.ratio(),
+                    "tokens_counted": s.chars_per_token.tokens_counted().round(),
+                    "served_chars": b.work().served_chars(),
+                },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,
                 "last_error": s.last_error,

@@ -163,6 +163,7 @@ impl Scheduler {
         if let Some(work) = work {
             guard.charge = Some(Charge::new(&backend, work.uncached, work.prompt));
         }
+        guard.served_chars = request.routing_text.as_ref().map_or(0, |t| t.len() as u64);
     }
 
     /// `backend` left the pool: every plugin forgets it.
@@ -197,6 +198,9 @@ pub struct InflightGuard {
     charge: Option<Charge>,
     /// The metric label for the request's model: a name the chosen backend serves.
     model_label: Arc<str>,
+    /// The prompt's routing-text bytes, counted as served by the backend at the first byte of
+    /// a successful answer (0 once counted, or when the answer is not a success).
+    served_chars: u64,
 }
 
 impl InflightGuard {
@@ -209,6 +213,7 @@ impl InflightGuard {
             model_label: Arc::from(served.unwrap_or(crate::telemetry::OTHER_MODEL)),
             slot,
             charge: None,
+            served_chars: 0,
         }
     }
 
@@ -225,11 +230,22 @@ impl InflightGuard {
         &self.model_label
     }
 
-    /// The first byte of the response arrived: its prompt is prefilled.
+    /// The first byte of the response arrived: its prompt is prefilled (and its tokens
+    /// counted by the backend, whose characters per token this measures).
     pub fn first_token(&mut self) {
         if let Some(charge) = &mut self.charge {
             charge.first_token();
         }
+        let chars = std::mem::take(&mut self.served_chars);
+        if chars > 0 {
+            self.backend().work().note_served_chars(chars);
+        }
+    }
+
+    /// The backend's answer is not a success: it may not have counted the prompt's tokens,
+    /// so the prompt's characters are not counted either.
+    pub fn prompt_not_served(&mut self) {
+        self.served_chars = 0;
     }
 
     /// The prompt tokens this backend is charged to prefill ([`Scheduler::sent`]'s estimate;
