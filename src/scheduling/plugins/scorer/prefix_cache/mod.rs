@@ -144,7 +144,10 @@
 //! with `measure_chars_per_token = false`. Assumed at 4 where the workload tokenizes at 1.17,
 //! the record was 3.4 × the cache: the router never saw an eviction, so placement by traffic
 //! overfilled the idler backend (simulator, Zipf, 73 % pressure, `room_placed_weight = 0`:
-//! hit 0.891 against 0.906 with the real figure, `bench/results/sim-26-cpt-*`). When a backend's cache may have
+//! hit 0.891 against 0.906 with the real figure, `bench/results/sim-26-cpt-*`). The token
+//! estimates this scorer gives (a prompt's tokens, the tokens an approximate candidate holds,
+//! which the `prefill-cost-scorer` prices) use the candidates' mean measured figure too, so they
+//! count real tokens, on the scale of precise candidates' and of that scorer's `smoothing`. When a backend's cache may have
 //! been wiped (restart, re-admission: its state epoch changes) its records are purged.
 //!
 //! # Precise scoring (KV events)
@@ -309,7 +312,8 @@ pub struct Held {
     /// …of this many full blocks in the prompt (0: nothing to match).
     pub of: usize,
     /// The tokens those blocks hold: `block_size` tokens each when precise; `block_size`
-    /// characters ÷ `chars_per_token` each when approximate.
+    /// characters ÷ the characters per token (the candidates' measured mean, else
+    /// `chars_per_token`) each when approximate.
     pub tokens: f64,
     /// Judged by the backend's KV events rather than the approximate index.
     pub precise: bool,
@@ -412,6 +416,9 @@ pub struct PrefixCacheScorer {
     /// Recent prompts routed (the count of `routed`'s requests).
     routed_prompts: Recent,
     returned: Recent,
+    /// The candidates' mean measured characters per token at the last match (`f64` bits; 0
+    /// until one is measured): the scale of this scorer's token estimates.
+    fleet_chars_per_token: AtomicU64,
 }
 
 impl PrefixCacheScorer {
@@ -489,6 +496,7 @@ impl PrefixCacheScorer {
             routed: Recent::default(),
             routed_prompts: Recent::default(),
             returned: Recent::default(),
+            fleet_chars_per_token: AtomicU64::new(0),
         })
     }
 
@@ -513,6 +521,31 @@ impl PrefixCacheScorer {
                 .or_else(|| self.index.capacity(backend.id, state.epoch))
                 .unwrap_or(self.params.fallback_capacity)
                 .max(1),
+        }
+    }
+
+    /// Characters per token of this scorer's token estimates (a prompt's tokens, the tokens a
+    /// candidate holds): the candidates' mean measured figure at the last match, else
+    /// `chars_per_token`.
+    fn per_token(&self) -> f64 {
+        let measured = f64::from_bits(self.fleet_chars_per_token.load(Ordering::Relaxed));
+        if self.params.measure_chars_per_token && measured > 0.0 && measured.is_finite() {
+            measured
+        } else {
+            self.params.chars_per_token
+        }
+    }
+
+    /// Note the candidates' mean measured characters per token, if any has one.
+    fn note_fleet_per_token(&self, candidates: &[Candidate<'_>]) {
+        let (sum, n) = candidates
+            .iter()
+            .filter_map(|c| c.state.chars_per_token.ratio())
+            .fold((0.0, 0usize), |(s, n), r| (s + r, n + 1));
+        if n > 0 {
+            let mean = sum / n as f64;
+            self.fleet_chars_per_token
+                .store(mean.to_bits(), Ordering::Relaxed);
         }
     }
 
@@ -636,7 +669,8 @@ impl PrefixCacheScorer {
         let mut matched = vec![0usize; candidates.len()];
         self.index.match_lengths(&hashes, &ids, &mut matched);
         let n = hashes.len();
-        let chars_per_token = self.params.chars_per_token;
+        self.note_fleet_per_token(candidates);
+        let chars_per_token = self.per_token();
         let mut out = vec![Held::default(); candidates.len()];
         for ((slot, m), exact) in out.iter_mut().zip(&matched).zip(&exact) {
             let recalled = if n > 0 { *m as f64 / n as f64 } else { 0.0 };
@@ -863,9 +897,10 @@ impl PrefixCacheScorer {
     }
 
     /// The prompt's length in tokens: its token ids when known, else its routing text's
-    /// characters ÷ `chars_per_token`.
+    /// characters ÷ the characters per token (the candidates' measured mean at the last
+    /// match, else `chars_per_token`).
     pub fn prompt_tokens(&self, request: &RequestView) -> f64 {
-        request.prompt_tokens(self.params.chars_per_token)
+        request.prompt_tokens(self.per_token())
     }
 
     /// The share of the room term judged by recent traffic: `room_work_weight`
@@ -1103,7 +1138,7 @@ impl Scorer for PrefixCacheScorer {
             }
             any = true;
             let chars = if h.precise {
-                h.tokens * self.params.chars_per_token
+                h.tokens * self.per_token()
             } else {
                 h.blocks.saturating_mul(self.params.block_size) as f64
             };

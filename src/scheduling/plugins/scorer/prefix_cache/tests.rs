@@ -534,3 +534,57 @@ fn a_prefix_a_live_backend_reports_evicted_counts_as_thrash_when_it_comes_back()
     let thrash = s.thrash(crate::clock::now_ms());
     assert!((0.75..=0.85).contains(&thrash), "thrash {thrash}");
 }
+
+/// A backend's measured characters per token sizes its record (its own figure), and the
+/// scorer's token estimates follow the candidates' mean figure once a match has seen one; with
+/// `measure_chars_per_token = false` both keep `chars_per_token`.
+#[test]
+fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
+    use crate::endpoints::chars_per_token::CharsPerToken;
+    let measured = |chars: u64, tokens: f64| {
+        CharsPerToken::default()
+            .observe(0, Some(0.0), false)
+            .observe(chars, Some(tokens), false)
+    };
+    let b = backends(3);
+    for (backend, ratio) in b
+        .iter()
+        .zip([Some((20_000, 10_000.0)), Some((10_000, 10_000.0)), None])
+    {
+        let mut state = (*backend.state()).clone();
+        state.metrics = Some((
+            LoadMetrics {
+                block_size: Some(16),
+                num_gpu_blocks: Some(1000),
+                ..Default::default()
+            },
+            std::time::Instant::now(),
+        ));
+        if let Some((chars, tokens)) = ratio {
+            state.chars_per_token = measured(chars, tokens);
+        }
+        backend.publish(state);
+    }
+    let v = view(&"x".repeat(1_200));
+    let c: Vec<Candidate<'_>> = b
+        .iter()
+        .map(|x| {
+            let mut c = Candidate::with_metrics(x, None, 0);
+            c.state = x.state();
+            c
+        })
+        .collect();
+    let on = scorer("block_size = 64");
+    // 16 000 tokens × 2 (× 1, × the assumed 4) characters ÷ 64.
+    let sizes: Vec<u64> = b.iter().map(|x| on.capacity(x, &x.state())).collect();
+    assert_eq!(sizes, vec![500, 250, 1000]);
+    assert_eq!(on.prompt_tokens(&v), 300.0, "4 per token before any match");
+    let _ = score(&on, &v, &c);
+    // The mean of 2 and 1 (the third has no figure yet).
+    assert_eq!(on.prompt_tokens(&v), 800.0);
+    let off = scorer("block_size = 64\nmeasure_chars_per_token = false");
+    let _ = score(&off, &v, &c);
+    let sizes: Vec<u64> = b.iter().map(|x| off.capacity(x, &x.state())).collect();
+    assert_eq!(sizes, vec![1000, 1000, 1000]);
+    assert_eq!(off.prompt_tokens(&v), 300.0);
+}
