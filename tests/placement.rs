@@ -332,7 +332,10 @@ fn words(seed: u64, chars: usize) -> String {
 fn sample(page: &str, name: &str) -> Option<f64> {
     page.lines()
         .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .find(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with([' ', '{']) || name.ends_with('}'))
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
@@ -341,8 +344,8 @@ fn sample(page: &str, name: &str) -> Option<f64> {
 /// measured there, not by the assumed 4: a tokenizing simulator with a 4,096-token cache, sent
 /// prompts of words that tokenize at under 2 characters per token, is recorded at about
 /// 4,096 × that ratio characters, and the router's figure is the simulator's own count of the
-/// prompts' tokens. With `measure_chars_per_token = false` (or the measurement broken) the
-/// record keeps 4 characters per token, 256 blocks of 64, and this fails.
+/// prompts' tokens. With `measure_chars_per_token = false` (the default; or the measurement
+/// broken) the record keeps 4 characters per token, 256 blocks of 64, and this fails.
 #[tokio::test]
 async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
     const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama");
@@ -353,16 +356,35 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
         ..common::sim::config("tiny-llama")
     })
     .await;
-    let mut cfg = common::config_for([sim.url()]);
-    cfg.plugins.push(PluginSpec {
-        kind: "prefix-cache-scorer".into(),
-        name: None,
-        parameters: toml::Table::new(),
-    });
-    let router = start_router(cfg).await;
-    common::until_all_healthy(&router).await;
+    // The real binary: its metrics (the index's size) are its own, not shared with the other
+    // tests' routers in this process.
+    let dir = std::env::temp_dir().join(format!("inferlb-cpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\n\
+         measure_chars_per_token = true\n",
+    )
+    .unwrap();
+    let backend = sim.url();
+    let router = common::binary::spawn_with(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--backend",
+        &backend,
+        "--poll-interval-ms",
+        "20",
+    ]);
+    let admin = || common::admin_at(&router.addr);
+    for _ in 0..100 {
+        if admin().await["backends"][0]["healthy"] == true {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     let client = common::client();
-    let url = router.url("/v1/completions");
+    let url = format!("http://{}/v1/completions", router.addr);
     let mut sent_chars = 0usize;
     let mut send = |seed: u64| {
         let prompt = words(seed, 1_500);
@@ -383,8 +405,7 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
     // the router's own report).
     let mut measured = None;
     for _ in 0..100 {
-        let v = common::admin_view(&router).await;
-        measured = v["backends"][0]["chars_per_token"]["measured"].as_f64();
+        measured = admin().await["backends"][0]["chars_per_token"]["measured"].as_f64();
         if measured.is_some() {
             break;
         }
@@ -414,11 +435,9 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
         (measured / truth - 1.0).abs() < 0.1,
         "measured {measured} characters per token, the simulator counted {truth}"
     );
-    let page = common::metrics_at(&router.addr.to_string()).await;
-    assert_eq!(
-        sample(&page, "inferlb_backend_chars_per_token"),
-        Some(measured)
-    );
+    let page = common::metrics_at(&router.addr).await;
+    let series = format!("inferlb_backend_chars_per_token{{backend=\"{}\"}}", sim.url());
+    assert_eq!(sample(&page, &series), Some(measured));
     let blocks = sample(&page, "inferlb_prefix_index_blocks").unwrap();
     let bound = (4_096.0 * measured / 64.0).ceil();
     assert!(
@@ -426,5 +445,6 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
         "the index holds {blocks} blocks of 64 characters for a 4,096-token cache at \
          {measured} characters per token (bound {bound}; 4 per token would be 256)"
     );
-    router.shutdown().await;
+    common::kv_events::stop(router);
+    let _ = std::fs::remove_dir_all(&dir);
 }

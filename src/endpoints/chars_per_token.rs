@@ -5,8 +5,10 @@
 //! index sizes each backend's record of its cache as `cache tokens × characters per token`.
 //! Assumed at 4 (English prose), that is 3.4 × too large for the project's own shared-prefix
 //! workloads, whose words tokenize at 1.17 characters per token under vLLM's own tokenizer:
-//! the router then never sees a cache evict (`bench/results/sim-26-cpt-*`), and placement
-//! by traffic hands the idler backend more prefixes than its cache keeps.
+//! the router then never sees a cache evict (`bench/results/sim-26-cpt-*`). The figure is
+//! always measured and published (`/admin/backends`, `inferlb_backend_chars_per_token`); the
+//! prefix scorer uses it with `measure_chars_per_token = true` (see
+//! [`crate::scheduling::plugins::scorer::prefix_cache`] for why that is not the default).
 //!
 //! Two cumulative counters give the figure:
 //!

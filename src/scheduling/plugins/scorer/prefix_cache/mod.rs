@@ -138,17 +138,22 @@
 //! After the pick, the chosen backend's LRU records the prompt's blocks. Each backend's LRU holds at most
 //! `capacity` blocks: a number, or `"auto"` = `num_gpu_blocks × block_size` tokens (from
 //! `vllm:cache_config_info`) × characters per token ÷ `block_size` characters, falling back to
-//! `fallback_capacity` blocks while the geometry is unknown. The characters per token are the
-//! backend's own, measured from its token counter ([`crate::endpoints::chars_per_token`]) once
-//! it has counted 8,192 tokens of this router's prompts, `chars_per_token` (4) before that or
-//! with `measure_chars_per_token = false`. Assumed at 4 where the workload tokenizes at 1.17,
-//! the record was 3.4 × the cache: the router never saw an eviction, so placement by traffic
-//! overfilled the idler backend (simulator, Zipf, 73 % pressure, `room_placed_weight = 0`:
-//! hit 0.891 against 0.906 with the real figure, `bench/results/sim-26-cpt-*`). The token
-//! estimates this scorer gives (a prompt's tokens, the tokens an approximate candidate holds,
-//! which the `prefill-cost-scorer` prices) use the candidates' mean measured figure too, so they
-//! count real tokens, on the scale of precise candidates' and of that scorer's `smoothing`. When a backend's cache may have
+//! `fallback_capacity` blocks while the geometry is unknown. When a backend's cache may have
 //! been wiped (restart, re-admission: its state epoch changes) its records are purged.
+//!
+//! The characters per token are `chars_per_token` (4). With `measure_chars_per_token = true`
+//! they are each backend's own figure, measured from its token counter
+//! ([`crate::endpoints::chars_per_token`]) once it has counted 8,192 tokens of this router's
+//! prompts, and the token estimates this scorer gives (a prompt's tokens, the tokens an
+//! approximate candidate holds, which the `prefill-cost-scorer` prices) use the candidates'
+//! mean figure, so they count real tokens, on the scale of precise candidates' and of that
+//! scorer's `smoothing`. Measuring is right about the caches and still off by default: where
+//! the workload tokenizes at 1.17 characters per token the assumed 4 makes each record 3.4 ×
+//! its cache and the router never sees an eviction, yet on the simulator at 73 % pressure
+//! (Zipf, medians of 3) the approximate default's TTFT p90 went from 0.107 s to 0.120 s
+//! measured (0.128 s with `room_placed_weight = 0`), while precise went from 0.121 s to
+//! 0.094 s (`bench/results/sim-26-measured2-zipf-median3-2026-12-07.md`; README, Performance,
+//! ninth round).
 //!
 //! # Precise scoring (KV events)
 //!
@@ -233,7 +238,8 @@ struct Params {
     capacity: Capacity,
     chars_per_token: f64,
     /// Size each backend's record by its measured characters per token
-    /// ([`crate::endpoints::chars_per_token`]) once known, instead of `chars_per_token`.
+    /// ([`crate::endpoints::chars_per_token`]) once known, and count the token estimates at
+    /// the candidates' mean figure, instead of `chars_per_token` (off by default: module doc).
     measure_chars_per_token: bool,
     fallback_capacity: u64,
     length_weight: f64,
@@ -280,7 +286,7 @@ impl Default for Params {
             block_size: 64,
             capacity: Capacity::Auto(AutoWord::Auto),
             chars_per_token: RequestView::CHARS_PER_TOKEN,
-            measure_chars_per_token: true,
+            measure_chars_per_token: false,
             // 500k tokens × 4 chars ÷ 64 chars: an 8B model's cache on one 80 GB GPU.
             fallback_capacity: 31_250,
             length_weight: 0.0,

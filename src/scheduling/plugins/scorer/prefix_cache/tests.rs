@@ -536,8 +536,8 @@ fn a_prefix_a_live_backend_reports_evicted_counts_as_thrash_when_it_comes_back()
 }
 
 /// A backend's measured characters per token sizes its record (its own figure), and the
-/// scorer's token estimates follow the candidates' mean figure once a match has seen one; with
-/// `measure_chars_per_token = false` both keep `chars_per_token`.
+/// scorer's token estimates follow the candidates' mean figure once a match has seen one; by
+/// default (`measure_chars_per_token = false`) both keep `chars_per_token`.
 #[test]
 fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
     use crate::endpoints::chars_per_token::CharsPerToken;
@@ -574,7 +574,7 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
             c
         })
         .collect();
-    let on = scorer("block_size = 64");
+    let on = scorer("block_size = 64\nmeasure_chars_per_token = true");
     // 16 000 tokens × 2 (× 1, × the assumed 4) characters ÷ 64.
     let sizes: Vec<u64> = b.iter().map(|x| on.capacity(x, &x.state())).collect();
     assert_eq!(sizes, vec![500, 250, 1000]);
@@ -582,7 +582,7 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
     let _ = score(&on, &v, &c);
     // The mean of 2 and 1 (the third has no figure yet).
     assert_eq!(on.prompt_tokens(&v), 800.0);
-    let off = scorer("block_size = 64\nmeasure_chars_per_token = false");
+    let off = scorer("block_size = 64");
     let _ = score(&off, &v, &c);
     let sizes: Vec<u64> = b.iter().map(|x| off.capacity(x, &x.state())).collect();
     assert_eq!(sizes, vec![1000, 1000, 1000]);
