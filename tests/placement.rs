@@ -436,7 +436,10 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
         "measured {measured} characters per token, the simulator counted {truth}"
     );
     let page = common::metrics_at(&router.addr).await;
-    let series = format!("inferlb_backend_chars_per_token{{backend=\"{}\"}}", sim.url());
+    let series = format!(
+        "inferlb_backend_chars_per_token{{backend=\"{}\"}}",
+        sim.url()
+    );
     assert_eq!(sample(&page, &series), Some(measured));
     let blocks = sample(&page, "inferlb_prefix_index_blocks").unwrap();
     let bound = (4_096.0 * measured / 64.0).ceil();

@@ -73,12 +73,14 @@
 //! router sent there and that it no longer holds, if its events reported an eviction within
 //! the last minute (a cache that evicted nothing cannot have dropped it: its blocks are late).
 //!
-//! `room_placed_weight` (0.5) counts each new prefix (held nowhere when placed) a backend was
-//! given lately (`placed`, one-minute half-life) at that many average prefixes' traffic before
-//! its traffic arrives. With the hot gate, 0 balanced the real-vLLM Zipf runs better (52 %
+//! `room_placed_weight` (0.5; `precise_room_placed_weight`, 0, when every candidate is scored
+//! from live KV events, see below) counts each new prefix (held nowhere when placed) a backend
+//! was given lately (`placed`, one-minute half-life) at that many average prefixes' traffic
+//! before its traffic arrives. With the hot gate, 0 balanced the real-vLLM Zipf runs better (52 %
 //! against 56–59 %) but on the simulator at 73 % pressure handed the idler backends more groups
 //! than their caches kept (Zipf hit rate 0.892 against 0.909, TTFT p90 0.142 s against 0.106 s,
-//! `bench/results/sim-26-default5-zipf-2026-12-06.md`), so it stays 0.5.
+//! `bench/results/sim-26-default5-zipf-2026-12-06.md`), so it stays 0.5 for approximate
+//! candidates, whose records assume 4 characters per token.
 //!
 //! Caches with room for every prefix are not the gate: on the simulator at 73 % pressure
 //! placement by traffic among the caches whose KV events left room for the prompt lost the
@@ -141,19 +143,28 @@
 //! `fallback_capacity` blocks while the geometry is unknown. When a backend's cache may have
 //! been wiped (restart, re-admission: its state epoch changes) its records are purged.
 //!
-//! The characters per token are `chars_per_token` (4). With `measure_chars_per_token = true`
-//! they are each backend's own figure, measured from its token counter
-//! ([`crate::endpoints::chars_per_token`]) once it has counted 8,192 tokens of this router's
-//! prompts, and the token estimates this scorer gives (a prompt's tokens, the tokens an
-//! approximate candidate holds, which the `prefill-cost-scorer` prices) use the candidates'
-//! mean figure, so they count real tokens, on the scale of precise candidates' and of that
-//! scorer's `smoothing`. Measuring is right about the caches and still off by default: where
-//! the workload tokenizes at 1.17 characters per token the assumed 4 makes each record 3.4 ×
-//! its cache and the router never sees an eviction, yet on the simulator at 73 % pressure
-//! (Zipf, medians of 3) the approximate default's TTFT p90 went from 0.107 s to 0.120 s
-//! measured (0.128 s with `room_placed_weight = 0`), while precise went from 0.121 s to
-//! 0.094 s (`bench/results/sim-26-measured2-zipf-median3-2026-12-07.md`; README, Performance,
-//! ninth round).
+//! The characters per token are `chars_per_token` (4), or the backend's own figure measured
+//! from its token counter ([`crate::endpoints::chars_per_token`], once it has counted 8,192
+//! tokens of this router's prompts): with `measure_chars_per_token = "auto"` (the default) for
+//! a backend whose KV-event stream is live and scored precisely, with `true` for every backend.
+//! `true` also counts this scorer's token estimates (a prompt's tokens, the tokens an
+//! approximate candidate holds, which the `prefill-cost-scorer` prices) at the candidates' mean
+//! figure, so they count real tokens, on the scale of precise candidates' and of that scorer's
+//! `smoothing`.
+//!
+//! Where the workload tokenizes at 1.17 characters per token the assumed 4 makes each record
+//! 3.4 × its cache, and the router never sees an eviction. Measured, it does (routers on the
+//! simulator read 1.17–1.19). Approximate candidates still keep the assumed figure by default:
+//! on the simulator at 73 % pressure (Zipf, medians of 3) measuring took the approximate
+//! default's TTFT p90 from 0.107 s to 0.120 s (0.128 s with placed weight 0) — the oversized
+//! record keeps its thrash gate open and placement by traffic going — while precise went from
+//! 0.121 s to 0.094 s (`bench/results/sim-26-measured2-zipf-median3-2026-12-07.md`; README,
+//! Performance, ninth round).
+//!
+//! With every candidate scored precisely, the placed weight is `precise_room_placed_weight`
+//! (0): together with the measured record, that balanced two real vLLM servers on Zipf to 52 %
+//! of the prompt tokens on both seeds (56 / 59 % before) at 0.993 / 1.000 of the hit bound,
+//! with the simulator's precise Zipf TTFT p90 at 0.117 s against 0.121 s.
 //!
 //! # Precise scoring (KV events)
 //!
@@ -225,10 +236,19 @@ enum Capacity {
     Auto(AutoWord),
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum AutoWord {
     Auto,
+}
+
+/// `measure_chars_per_token`: `true`, `false`, or `"auto"` (measured for a backend with a live
+/// KV-event stream; see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(untagged)]
+enum Measure {
+    Always(bool),
+    Auto(AutoWord),
 }
 
 #[derive(Debug, Deserialize)]
@@ -237,10 +257,11 @@ struct Params {
     block_size: usize,
     capacity: Capacity,
     chars_per_token: f64,
-    /// Size each backend's record by its measured characters per token
-    /// ([`crate::endpoints::chars_per_token`]) once known, and count the token estimates at
-    /// the candidates' mean figure, instead of `chars_per_token` (off by default: module doc).
-    measure_chars_per_token: bool,
+    /// Size a backend's record by its measured characters per token
+    /// ([`crate::endpoints::chars_per_token`]) once known instead of `chars_per_token`: `"auto"`
+    /// while its KV-event stream is live, `true` always (and count the token estimates at the
+    /// candidates' mean figure), `false` never (module doc).
+    measure_chars_per_token: Measure,
     fallback_capacity: u64,
     length_weight: f64,
     long_match_chars: usize,
@@ -263,8 +284,10 @@ struct Params {
     /// placing by traffic stops (module doc).
     room_thrash_limit: f64,
     /// How much each new prefix a backend was given lately adds to its traffic, in average
-    /// prefixes' traffic (module doc).
+    /// prefixes' traffic (module doc)…
     room_placed_weight: f64,
+    /// …when every candidate is scored precisely.
+    precise_room_placed_weight: f64,
     /// How far over the candidates' mean traffic a candidate may be before placing by
     /// traffic moves new prefixes off it (module doc).
     room_work_slack: f64,
@@ -286,7 +309,7 @@ impl Default for Params {
             block_size: 64,
             capacity: Capacity::Auto(AutoWord::Auto),
             chars_per_token: RequestView::CHARS_PER_TOKEN,
-            measure_chars_per_token: false,
+            measure_chars_per_token: Measure::Auto(AutoWord::Auto),
             // 500k tokens × 4 chars ÷ 64 chars: an 8B model's cache on one 80 GB GPU.
             fallback_capacity: 31_250,
             length_weight: 0.0,
@@ -301,6 +324,7 @@ impl Default for Params {
             precise_room_work_weight: 1.0,
             room_thrash_limit: 0.02,
             room_placed_weight: 0.5,
+            precise_room_placed_weight: 0.0,
             room_work_slack: 0.0,
             room_hot_share: 0.5,
             replicate_share: 0.0,
@@ -462,10 +486,12 @@ impl PrefixCacheScorer {
         }
         // NaN is neither ≥ 0 nor finite, so these refuse it.
         let non_negative = |x: f64| x.is_finite() && x >= 0.0;
-        if !non_negative(params.room_placed_weight) {
+        if !non_negative(params.room_placed_weight)
+            || !non_negative(params.precise_room_placed_weight)
+        {
             return Err(ConfigError::invalid(
                 field,
-                "room_placed_weight must be ≥ 0",
+                "room_placed_weight and precise_room_placed_weight must be ≥ 0",
             ));
         }
         if !non_negative(params.room_work_slack) || !non_negative(params.room_hot_share) {
@@ -520,7 +546,7 @@ impl PrefixCacheScorer {
                     let per_token = state
                         .chars_per_token
                         .ratio()
-                        .filter(|_| self.params.measure_chars_per_token)
+                        .filter(|_| self.measures(backend))
                         .unwrap_or(self.params.chars_per_token);
                     ((tokens as f64 * per_token) / self.params.block_size as f64).ceil() as u64
                 })
@@ -535,15 +561,31 @@ impl PrefixCacheScorer {
     /// `chars_per_token`.
     fn per_token(&self) -> f64 {
         let measured = f64::from_bits(self.fleet_chars_per_token.load(Ordering::Relaxed));
-        if self.params.measure_chars_per_token && measured > 0.0 && measured.is_finite() {
+        let on = self.params.measure_chars_per_token == Measure::Always(true);
+        if on && measured > 0.0 && measured.is_finite() {
             measured
         } else {
             self.params.chars_per_token
         }
     }
 
-    /// Note the candidates' mean measured characters per token, if any has one.
+    /// Is `backend`'s record sized by its measured characters per token (once measured)?
+    /// Always or never as set; with `"auto"`, while its KV-event stream is live and scored.
+    fn measures(&self, backend: &Backend) -> bool {
+        match self.params.measure_chars_per_token {
+            Measure::Always(on) => on,
+            Measure::Auto(_) => {
+                self.params.precise && backend.kv().status(now_ms()) == Status::Live
+            }
+        }
+    }
+
+    /// Note the candidates' mean measured characters per token, if any has one (only
+    /// `measure_chars_per_token = true` counts estimates at it).
     fn note_fleet_per_token(&self, candidates: &[Candidate<'_>]) {
+        if self.params.measure_chars_per_token != Measure::Always(true) {
+            return;
+        }
         let (sum, n) = candidates
             .iter()
             .filter_map(|c| c.state.chars_per_token.ratio())
@@ -1188,10 +1230,15 @@ impl Scorer for PrefixCacheScorer {
                         .map(|c| c.backend.work().recent_tokens(now))
                         .collect();
                     let per_prefix = work.iter().sum::<f64>() / placed.iter().sum::<f64>().max(1.0);
+                    let placed_weight = if held.iter().all(|h| h.precise) {
+                        self.params.precise_room_placed_weight
+                    } else {
+                        self.params.room_placed_weight
+                    };
                     let load: Vec<f64> = work
                         .iter()
                         .zip(&placed)
-                        .map(|(w, p)| w + self.params.room_placed_weight * p * per_prefix)
+                        .map(|(w, p)| w + placed_weight * p * per_prefix)
                         .collect();
                     let (_, bound) = fair_and_bound(&load, self.params.room_work_slack);
                     // Only hot prefixes' traffic moves a new prefix: a backend's excess over

@@ -536,8 +536,9 @@ fn a_prefix_a_live_backend_reports_evicted_counts_as_thrash_when_it_comes_back()
 }
 
 /// A backend's measured characters per token sizes its record (its own figure), and the
-/// scorer's token estimates follow the candidates' mean figure once a match has seen one; by
-/// default (`measure_chars_per_token = false`) both keep `chars_per_token`.
+/// scorer's token estimates follow the candidates' mean figure once a match has seen one; with
+/// `measure_chars_per_token = false` both keep `chars_per_token`; with `"auto"` only a backend
+/// with a live KV-event stream is sized by its figure.
 #[test]
 fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
     use crate::endpoints::chars_per_token::CharsPerToken;
@@ -582,9 +583,24 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
     let _ = score(&on, &v, &c);
     // The mean of 2 and 1 (the third has no figure yet).
     assert_eq!(on.prompt_tokens(&v), 800.0);
-    let off = scorer("block_size = 64");
+    let off = scorer("block_size = 64\nmeasure_chars_per_token = false");
     let _ = score(&off, &v, &c);
     let sizes: Vec<u64> = b.iter().map(|x| off.capacity(x, &x.state())).collect();
     assert_eq!(sizes, vec![1000, 1000, 1000]);
     assert_eq!(off.prompt_tokens(&v), 300.0);
+    // "auto" (the default): measured only for a backend whose KV-event stream is live, and
+    // the estimates stay at 4 (precise candidates count their token ids).
+    let auto = scorer("block_size = 64");
+    assert_eq!(auto.capacity(&b[0], &b[0].state()), 1000, "no live stream");
+    go_live(b[0].kv(), 60_000);
+    assert_eq!(auto.capacity(&b[0], &b[0].state()), 500, "live stream");
+    assert_eq!(auto.capacity(&b[1], &b[1].state()), 1000);
+    let _ = score(&auto, &v, &c);
+    assert_eq!(auto.prompt_tokens(&v), 300.0);
+    let auto_off = scorer("block_size = 64\nprecise = false");
+    assert_eq!(
+        auto_off.capacity(&b[0], &b[0].state()),
+        1000,
+        "precise scoring off"
+    );
 }
