@@ -604,3 +604,46 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
         "precise scoring off"
     );
 }
+
+/// With every candidate scored from live KV events the placed weight is
+/// `precise_room_placed_weight` (0 by default), else `room_placed_weight` (0.5): backend 0
+/// carries 3,000 tokens of hot traffic, backend 1 1,000 and ten new prefixes just placed (the
+/// average prefix brings 400). Counted at 0.5 each, backend 1's load equals backend 0's, nobody
+/// is over the mean and fill ties them; counted at 0, backend 0 is 1,000 over the mean and the
+/// new prefix goes to backend 1.
+#[test]
+fn precise_candidates_count_new_prefixes_at_the_precise_placed_weight() {
+    let run = |params: &str, live: bool| -> Vec<f64> {
+        let (b, s) = setup(2, params);
+        let other: Vec<u32> = (1_000..1_016).collect();
+        if live {
+            for (i, x) in b.iter().enumerate() {
+                report(x, &other, 16, 1, i as u64);
+            }
+        }
+        let now = now_ms();
+        b[0].work().note_sent(3_000, now);
+        b[0].work().note_hot(3_000.0, now);
+        b[1].work().note_sent(1_000, now);
+        for _ in 0..10 {
+            b[1].work().note_placed(now);
+        }
+        let ids: Vec<u32> = (0..64).collect();
+        let (scores, _) = score(&s, &token_view(&ids), &candidates(&b));
+        scores
+    };
+    let base =
+        "block_size = 4\ncapacity = 1000\nroom_work_weight = 1.0\nprecise_room_work_weight = 1.0";
+    let precise = run(base, true);
+    assert!(
+        precise[1] > precise[0],
+        "precise, placed weight 0: {precise:?}"
+    );
+    let at_half = run(&format!("{base}\nprecise_room_placed_weight = 0.5"), true);
+    assert_eq!(at_half[0], at_half[1], "precise, placed weight 0.5");
+    let approximate = run(base, false);
+    assert_eq!(
+        approximate[0], approximate[1],
+        "approximate: room_placed_weight 0.5"
+    );
+}
