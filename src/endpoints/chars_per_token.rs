@@ -7,8 +7,9 @@
 //! workloads, whose words tokenize at 1.17 characters per token under vLLM's own tokenizer:
 //! the router then never sees a cache evict (`bench/results/sim-26-cpt-*`). The figure is
 //! always measured and published (`/admin/backends`, `inferlb_backend_chars_per_token`); the
-//! prefix scorer uses it with `measure_chars_per_token = true` (see
-//! [`crate::scheduling::plugins::scorer::prefix_cache`] for why that is not the default).
+//! prefix scorer sizes a backend's record by it while the backend's KV-event stream is live
+//! (`measure_chars_per_token = "auto"`, the default), or always with `true` (see
+//! [`crate::scheduling::plugins::scorer::prefix_cache`] for why not always by default).
 //!
 //! Two cumulative counters give the figure:
 //!

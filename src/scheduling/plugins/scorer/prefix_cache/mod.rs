@@ -163,8 +163,9 @@
 //!
 //! With every candidate scored precisely, the placed weight is `precise_room_placed_weight`
 //! (0): together with the measured record, that balanced two real vLLM servers on Zipf to 52 %
-//! of the prompt tokens on both seeds (56 / 59 % before) at 0.993 / 1.000 of the hit bound,
-//! with the simulator's precise Zipf TTFT p90 at 0.117 s against 0.121 s.
+//! of the prompt tokens on both seeds in short runs (56 / 59 % before) at 0.993 / 1.000 of the
+//! hit bound, and to 56 / 54 % in long runs (57 / 56 % before) at the same hit rate, with the
+//! simulator's precise Zipf TTFT p90 at 0.117 s against 0.121 s (README, ninth round).
 //!
 //! # Precise scoring (KV events)
 //!
