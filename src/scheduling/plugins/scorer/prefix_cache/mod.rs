@@ -958,7 +958,7 @@ impl PrefixCacheScorer {
     /// (0.5 when no candidate reports it; a usage that is not a number makes it 0) and as the
     /// fleet's thrash nears `room_thrash_limit`.
     fn traffic_share(&self, candidates: &[Candidate<'_>], held: &[Held]) -> f64 {
-        let weight = if !held.is_empty() && held.iter().all(|h| h.precise) {
+        let weight = if all_precise(held) {
             self.params.precise_room_work_weight
         } else {
             self.params.room_work_weight
@@ -1062,6 +1062,12 @@ const THRASH_MIN_PROMPTS: f64 = 4.0;
 
 /// How much less the holders over their load bound score than the copy taking their request.
 const OVERFLOW_YIELD: f64 = 0.01;
+
+/// Was every candidate of a decision scored from its live KV events (and is there one)? The
+/// room term then takes its `precise_*` weights.
+fn all_precise(held: &[Held]) -> bool {
+    !held.is_empty() && held.iter().all(|h| h.precise)
+}
 
 /// Was the request's prefix held nowhere when it was last scored (a new prefix placed)? A
 /// replica is only ever named beside a holder, so a decision with one is never new.
@@ -1180,6 +1186,7 @@ impl Scorer for PrefixCacheScorer {
         scores.iter_mut().for_each(|s| *s = 0.0);
         let held = self.held(request, state, candidates);
         let w = self.params.length_weight;
+        let per_token = self.per_token();
         let mut any = false;
         for (slot, h) in scores.iter_mut().zip(held.iter()) {
             if h.of == 0 {
@@ -1187,7 +1194,7 @@ impl Scorer for PrefixCacheScorer {
             }
             any = true;
             let chars = if h.precise {
-                h.tokens * self.per_token()
+                h.tokens * per_token
             } else {
                 h.blocks.saturating_mul(self.params.block_size) as f64
             };
@@ -1231,7 +1238,7 @@ impl Scorer for PrefixCacheScorer {
                         .map(|c| c.backend.work().recent_tokens(now))
                         .collect();
                     let per_prefix = work.iter().sum::<f64>() / placed.iter().sum::<f64>().max(1.0);
-                    let placed_weight = if held.iter().all(|h| h.precise) {
+                    let placed_weight = if all_precise(&held) {
                         self.params.precise_room_placed_weight
                     } else {
                         self.params.room_placed_weight

@@ -182,6 +182,21 @@ fn model_separates_prefixes() {
     assert_eq!(scores, vec![0.0]);
 }
 
+/// `state` with fresh metrics that report only a cache of `num_gpu_blocks` blocks of
+/// `block_size` tokens.
+fn with_geometry(state: &BackendState, block_size: u64, num_gpu_blocks: u64) -> BackendState {
+    let mut state = state.clone();
+    state.metrics = Some((
+        LoadMetrics {
+            block_size: Some(block_size),
+            num_gpu_blocks: Some(num_gpu_blocks),
+            ..Default::default()
+        },
+        std::time::Instant::now(),
+    ));
+    state
+}
+
 #[test]
 fn auto_capacity_from_cache_geometry() {
     let b = backends(1);
@@ -191,16 +206,7 @@ fn auto_capacity_from_cache_geometry() {
         31_250,
         "fallback while geometry is unknown"
     );
-    let mut state = (*b[0].state()).clone();
-    state.metrics = Some((
-        LoadMetrics {
-            block_size: Some(16),
-            num_gpu_blocks: Some(1000),
-            ..Default::default()
-        },
-        std::time::Instant::now(),
-    ));
-    b[0].publish(state);
+    b[0].publish(with_geometry(&b[0].state(), 16, 1000));
     // 16 000 tokens × 4 chars ÷ 64 = 1000 blocks.
     assert_eq!(s.capacity(&b[0], &b[0].state()), 1000);
     let fixed = scorer("capacity = 7");
@@ -552,15 +558,7 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
         .iter()
         .zip([Some((20_000, 10_000.0)), Some((10_000, 10_000.0)), None])
     {
-        let mut state = (*backend.state()).clone();
-        state.metrics = Some((
-            LoadMetrics {
-                block_size: Some(16),
-                num_gpu_blocks: Some(1000),
-                ..Default::default()
-            },
-            std::time::Instant::now(),
-        ));
+        let mut state = with_geometry(&backend.state(), 16, 1000);
         if let Some((chars, tokens)) = ratio {
             state.chars_per_token = measured(chars, tokens);
         }
