@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""What a router could reach at all on a real-vLLM run whose caches evict: the hit rate of the
+best fixed assignment of prompt groups to servers, found with hindsight, under vLLM's own
+eviction order.
+
+bench/real_vllm_bound.py's bound assumes an unbounded cache: each group's shared blocks miss
+once. With BLOCKS=64 the two servers evict, and vLLM evicts by its own rule (below), not by
+future use, so no router reaches that bound once the run's blocks outgrow the caches. This
+script replays the run's prompts, tokenized by vLLM itself (POST /tokenize, as
+real_vllm_bound.py does), through a model of each server's prefix cache, for every way of
+splitting the prompt groups (prompts sharing their first 128-token block) between two servers,
+and reports the best split overall and the best whose busiest server takes at most BUSIEST of
+the prompt tokens. It also tries, from the best balanced split, sending one group to both
+servers in turn (a replicated hot prefix).
+
+The cache model, from vLLM 0.32's v1 block pool (vllm/v1/core/block_pool.py,
+kv_cache_manager.py):
+- a server keeps BLOCKS - 2 blocks cached: one is vLLM's null block, and one holds the running
+  request's last, partial block;
+- a prompt hits its leading full blocks that are cached, never its last token;
+- a finished request's full blocks stay cached and join the eviction queue tail first (vLLM
+  frees a request's blocks in reverse), so its leading blocks are evicted last; a block hit again
+  moves to the back of the queue;
+- requests run one at a time (the runs here keep < 1 request in flight on average), so blocks
+  held by other running requests and blocks completed by generated tokens are not modelled:
+  the model is an estimate, not a bound. Checked against one real vLLM 0.32 server (BLOCKS=64,
+  the runs' prompts sent one at a time, cache reset first; vLLM's own hit counters): vLLM 0.6445,
+  0.6265 and 0.6258 against the model's 0.6470, 0.6372 and 0.6258 (bench/results/
+  lru-oracle-2026-12-07.md): the model errs up by at most 0.011, so the best split it finds is,
+  if anything, above what the servers would give.
+
+A fixed split is what prefix-affinity routing converges to; a router that moves a group
+between servers or replicates several groups is not covered, except for the one-group
+replication tried here.
+
+Usage: lru_oracle.py VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl ...]
+(REQUESTS.jsonl: loadgen --dump-requests, as bench/real_vllm.sh keeps them in its OUT dir).
+Env: BUSIEST (default 0.55).
+
+       lru_oracle.py --check VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl
+checks the model: it resets the server's prefix cache (serve.sh with DEV=1, started with
+BLOCKS=BLOCKS_PER_SERVER), sends the prompts to it one at a time (8 output tokens each), and
+prints vLLM's own hit rate over them beside the model's replay of the same prompts on one
+server.
+"""
+import json
+import os
+import sys
+import urllib.request
+from collections import OrderedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from real_vllm_bound import BLOCK, block_chains, cached_tokens, tokenize  # noqa: E402
+
+MAX_GROUPS = 18  # 2^17 splits at most
+
+
+def replay(prompts, server_of, capacity):
+    """Cached tokens and each server's prompt tokens when prompt i goes to server_of(i)."""
+    caches = [OrderedDict(), OrderedDict()]
+    hits = 0
+    work = [0, 0]
+    for i, (chains, cap, n) in enumerate(prompts):
+        s = server_of(i)
+        cache = caches[s]
+        k = 0
+        while k < min(cap, len(chains)) and chains[k] in cache:
+            k += 1
+        hits += k * BLOCK
+        work[s] += n
+        for c in reversed(chains):
+            cache[c] = True
+            cache.move_to_end(c)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hits, work
+
+
+def oracle(url, model, path, blocks, busiest_limit):
+    ids = [tokenize(url, model, json.loads(line)["messages"]) for line in open(path)]
+    total = sum(map(len, ids))
+    seen = set()
+    free = 0
+    for t in ids:
+        chains = block_chains(t)
+        free += cached_tokens(len(t), chains, seen)
+        seen.update(chains)
+    prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+    keys = {}
+    group = [keys.setdefault(tuple(t[:BLOCK]) if len(t) >= BLOCK else ("short", i), len(keys)) for i, t in enumerate(ids)]
+    g = len(keys)
+    if g > MAX_GROUPS:
+        sys.exit(f"lru_oracle.py: {g} groups, more than {MAX_GROUPS}: too many splits to try")
+    capacity = blocks - 2
+    best = best_balanced = None
+    # The last group stays on server 0: a split and its mirror image are the same.
+    for mask in range(1 << (g - 1)):
+        hits, work = replay(prompts, lambda i: (mask >> group[i]) & 1, capacity)
+        busiest = max(work) / sum(work)
+        if best is None or hits > best[0]:
+            best = (hits, busiest, mask)
+        if busiest <= busiest_limit and (best_balanced is None or hits > best_balanced[0]):
+            best_balanced = (hits, busiest, mask)
+    replicated = None
+    if best_balanced is not None:
+        mask = best_balanced[2]
+        for r in range(g):
+            turn = {}
+
+            def server_of(i, r=r, turn=turn):
+                if group[i] != r:
+                    return (mask >> group[i]) & 1
+                turn[r] = turn.get(r, -1) + 1
+                return turn[r] % 2
+
+            hits, work = replay(prompts, server_of, capacity)
+            busiest = max(work) / sum(work)
+            if busiest <= busiest_limit and (replicated is None or hits > replicated[0]):
+                replicated = (hits, busiest, r)
+    return total, free, g, best, best_balanced, replicated
+
+
+def metric(url, name):
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in "{ ")
+
+
+def check(url, blocks, path):
+    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", b"", method="POST"), timeout=30).read()
+    lines = [json.loads(line) for line in open(path)]
+    ids = [tokenize(url, model, line["messages"]) for line in lines]
+    hits0, queries0 = metric(url, "vllm:prefix_cache_hits_total"), metric(url, "vllm:prefix_cache_queries_total")
+    for line in lines:
+        body = json.dumps({"model": model, "messages": line["messages"], "max_tokens": 8}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+        urllib.request.urlopen(req, timeout=120).read()
+    hits = metric(url, "vllm:prefix_cache_hits_total") - hits0
+    queries = metric(url, "vllm:prefix_cache_queries_total") - queries0
+    prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+    row = [f"vLLM {hits / queries:.4f}"]
+    for kept in (blocks - 2, blocks - 1, blocks):
+        h, work = replay(prompts, lambda i: 0, kept)
+        row.append(f"model with {kept} blocks kept {h / sum(work):.4f}")
+    print(f"{path}: one server, {len(lines)} prompts one at a time: " + ", ".join(row))
+
+
+def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--check":
+        check(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    if len(sys.argv) < 4:
+        sys.exit(__doc__)
+    url, blocks, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    limit = float(os.environ.get("BUSIEST", "0.55"))
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    print(f"# two servers of {blocks} blocks ({blocks - 2} kept cached) of {BLOCK} tokens; busiest limit {limit:.2f}")
+    print()
+    print("| requests | prompts | groups | no-eviction bound | best split | best split, busiest ≤ limit | + one group on both |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path in paths:
+        total, free, g, best, balanced, replicated = oracle(url, model, path, blocks, limit)
+        bound = free / total
+
+        def cell(x):
+            if x is None:
+                return "none"
+            return f"{x[0] / total:.4f} = **{x[0] / free:.3f}** of the bound, busiest {x[1] * 100:.0f} %"
+
+        print(f"| {path} | {sum(1 for _ in open(path))} | {g} | {bound:.4f} | {cell(best)} | {cell(balanced)} | {cell(replicated)} |")
+
+
+if __name__ == "__main__":
+    main()
