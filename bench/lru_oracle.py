@@ -29,6 +29,10 @@ kv_cache_manager.py):
   lru-oracle-2026-12-07.md): the model errs up by at most 0.011, so the best split it finds is,
   if anything, above what the servers would give.
 
+When the dump records each answer's backend (`backend`, loadgen's backend header), the run's
+own assignment is replayed through the same model too: the model's figure for what the router
+did, beside vLLM's measured one.
+
 A fixed split is what prefix-affinity routing converges to; a router that moves a group
 between servers or replicates several groups is not covered, except for the one-group
 replication tried here.
@@ -101,6 +105,13 @@ def oracle(url, model, path, blocks, busiest_limit):
             best = (hits, busiest, mask)
         if busiest <= busiest_limit and (best_balanced is None or hits > best_balanced[0]):
             best_balanced = (hits, busiest, mask)
+    # The run's own assignment, when loadgen recorded each answer's backend header.
+    recorded = [json.loads(line).get("backend") for line in open(path)]
+    own = None
+    names = sorted(set(recorded))
+    if None not in names and len(names) <= 2:
+        hits, work = replay(prompts, lambda i: names.index(recorded[i]), capacity)
+        own = (hits, max(work) / sum(work))
     replicated = None
     if best_balanced is not None:
         mask = best_balanced[2]
@@ -117,7 +128,7 @@ def oracle(url, model, path, blocks, busiest_limit):
             busiest = max(work) / sum(work)
             if busiest <= busiest_limit and (replicated is None or hits > replicated[0]):
                 replicated = (hits, busiest, r)
-    return total, free, g, best, best_balanced, replicated
+    return total, free, g, best, best_balanced, replicated, own
 
 
 def metric(url, name):
@@ -158,10 +169,10 @@ def main():
         model = json.load(r)["data"][0]["id"]
     print(f"# two servers of {blocks} blocks ({blocks - 2} kept cached) of {BLOCK} tokens; busiest limit {limit:.2f}")
     print()
-    print("| requests | prompts | groups | no-eviction bound | best split | best split, busiest ≤ limit | + one group on both |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| requests | prompts | groups | no-eviction bound | best split | best split, busiest ≤ limit | + one group on both | the run's own assignment |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in paths:
-        total, free, g, best, balanced, replicated = oracle(url, model, path, blocks, limit)
+        total, free, g, best, balanced, replicated, own = oracle(url, model, path, blocks, limit)
         bound = free / total
 
         def cell(x):
@@ -169,7 +180,7 @@ def main():
                 return "none"
             return f"{x[0] / total:.4f} = **{x[0] / free:.3f}** of the bound, busiest {x[1] * 100:.0f} %"
 
-        print(f"| {path} | {sum(1 for _ in open(path))} | {g} | {bound:.4f} | {cell(best)} | {cell(balanced)} | {cell(replicated)} |")
+        print(f"| {path} | {sum(1 for _ in open(path))} | {g} | {bound:.4f} | {cell(best)} | {cell(balanced)} | {cell(replicated)} | {cell(own) if own else 'not recorded'} |")
 
 
 if __name__ == "__main__":

@@ -220,8 +220,9 @@ struct RunArgs {
     #[arg(long, default_value = "x-inferlb-backend")]
     backend_header: String,
     /// Write every request's messages here, one JSON object per line in send order
-    /// (`{"session", "turn", "messages"}`; later turns of a conversation carry the server's
-    /// answers as they came), e.g. to compute a hit-rate bound with the real model's tokenizer.
+    /// (`{"session", "turn", "messages", "backend"}`; later turns of a conversation carry the
+    /// server's answers as they came; `backend` is the answer's backend header, when the router
+    /// sent one), e.g. to compute a hit-rate bound with the real model's tokenizer.
     #[arg(long, value_name = "PATH")]
     dump_requests: Option<PathBuf>,
     /// Send each request's session id in this header (e.g. inferlb's `x-session-id`).
@@ -481,15 +482,20 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
 
 fn dump_requests(
     path: &std::path::Path,
-    sent: &[(u64, u32, Vec<vllm_sim::tokenizer::ChatMessage>)],
+    sent: &[loadgen::runner::KeptRequest],
 ) -> Result<(), String> {
     let mut text = String::new();
-    for (session, turn, messages) in sent {
-        let messages: Vec<serde_json::Value> = messages
+    for kept in sent {
+        let messages: Vec<serde_json::Value> = kept
+            .messages
             .iter()
             .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
             .collect();
-        let line = serde_json::json!({ "session": session, "turn": turn, "messages": messages });
+        let mut line =
+            serde_json::json!({ "session": kept.session, "turn": kept.turn, "messages": messages });
+        if let (Some(backend), Some(o)) = (&kept.backend, line.as_object_mut()) {
+            o.insert("backend".into(), backend.clone().into());
+        }
         text.push_str(&line.to_string());
         text.push('\n');
     }

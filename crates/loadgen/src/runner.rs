@@ -61,14 +61,24 @@ pub struct RunOutput {
     pub summary: Summary,
     /// `(session, turn)` of every request in send order.
     pub sent: Vec<(u64, u32)>,
-    /// (session, turn, messages) of every request sent, when `keep_messages`.
-    pub messages: Vec<(u64, u32, Vec<ChatMessage>)>,
+    /// Every request sent, when `keep_messages`: in send order.
+    pub messages: Vec<KeptRequest>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
+}
+
+/// One request as sent, for `--dump-requests`.
+#[derive(Debug, Clone)]
+pub struct KeptRequest {
+    pub session: u64,
+    pub turn: u32,
+    pub messages: Vec<ChatMessage>,
+    /// The router's backend header on the answer, when it sent one.
+    pub backend: Option<String>,
 }
 
 /// A conversation waiting for its next turn.
@@ -84,7 +94,7 @@ struct Ctx {
     workload: Arc<Workload>,
     records: mpsc::UnboundedSender<Record>,
     sent: Mutex<Vec<(u64, u32)>>,
-    messages: Mutex<Vec<(u64, u32, Vec<ChatMessage>)>>,
+    messages: Mutex<Vec<KeptRequest>>,
     dispatched: AtomicU64,
     next_session: AtomicU64,
 }
@@ -116,11 +126,19 @@ impl Ctx {
 
     async fn send(&self, t: &Turn) -> Record {
         let messages = t.session.messages(t.turn as usize, &t.answers);
-        if self.cfg.keep_messages {
-            if let Ok(mut kept) = self.messages.lock() {
-                kept.push((t.session.id, t.turn, messages.clone()));
-            }
-        }
+        let kept_at = if self.cfg.keep_messages {
+            self.messages.lock().ok().map(|mut kept| {
+                kept.push(KeptRequest {
+                    session: t.session.id,
+                    turn: t.turn,
+                    messages: messages.clone(),
+                    backend: None,
+                });
+                kept.len() - 1
+            })
+        } else {
+            None
+        };
         let mut rec = client::send(
             &self.client,
             &self.cfg.target,
@@ -132,6 +150,17 @@ impl Ctx {
         .await;
         rec.session = t.session.id;
         rec.turn = t.turn;
+        if let (Some(i), Some(backend)) = (kept_at, &rec.backend) {
+            if let Some(kept) = self
+                .messages
+                .lock()
+                .ok()
+                .as_mut()
+                .and_then(|k| k.get_mut(i))
+            {
+                kept.backend = Some(backend.clone());
+            }
+        }
         rec
     }
 }

@@ -240,8 +240,8 @@ async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
             let kept: Vec<&Vec<_>> = out
                 .messages
                 .iter()
-                .filter(|(c, _, _)| *c == conv)
-                .map(|(_, _, m)| m)
+                .filter(|k| k.session == conv)
+                .map(|k| &k.messages)
                 .collect();
             assert_eq!(kept.len(), 3, "{arrival:?}");
             for (t, m) in kept.iter().enumerate() {
@@ -252,6 +252,8 @@ async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
             assert_eq!(kept[2][2].role, "assistant");
             assert!(!kept[2][2].content.is_empty());
         }
+        // The simulator names no backend, so no request records one.
+        assert!(out.messages.iter().all(|k| k.backend.is_none()));
         // One backend with a big cache reaches the infinite-cache bound exactly, which it
         // can only do if the history (answers included) was re-sent verbatim.
         let fleet = s.fleet.as_ref().unwrap();
@@ -263,6 +265,41 @@ async fn multi_turn_resends_answers_and_hits_the_cache_in_both_loops() {
         assert!(s.duration_s < 20.0, "{arrival:?} ran {} s", s.duration_s);
         sim.shutdown().await;
     }
+}
+
+/// `--dump-requests` keeps, with each request, the answer's value of the backend header (here
+/// a header the simulator does send, standing in for a router's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_requests_carry_the_answers_backend_header() {
+    let spec = WorkloadSpec::MultiTurn {
+        conversations: 2,
+        turns: 2,
+        system_tokens: 32,
+        user_tokens: 8,
+        output_tokens: 4,
+    };
+    let workload = Arc::new(Workload::new(spec, 5));
+    let sim = vllm_sim::spawn(vllm_sim::SimConfig {
+        time_scale: 50.0,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut cfg = direct_run(
+        &sim.url(),
+        Arrival::Closed { concurrency: 2 },
+        &workload,
+        vec![],
+    );
+    cfg.request.backend_header = "content-type".into();
+    let out = run(cfg, Arc::clone(&workload)).await.unwrap();
+    assert_eq!(out.summary.ok, 4, "{:?}", out.summary.errors);
+    assert_eq!(out.messages.len(), 4);
+    for kept in &out.messages {
+        let backend = kept.backend.as_deref().unwrap_or("none");
+        assert!(backend.starts_with("text/event-stream"), "{backend}");
+    }
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
