@@ -41,6 +41,9 @@ Usage: lru_oracle.py VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl .
 (REQUESTS.jsonl: loadgen --dump-requests, as bench/real_vllm.sh keeps them in its OUT dir).
 Env: BUSIEST (default 0.55).
 
+       lru_oracle.py --rules VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl ...]
+replays a few simple online placement rules through the model (hit / bound, busiest share);
+
        lru_oracle.py --check VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl
 checks the model: it resets the server's prefix cache (serve.sh with DEV=1, started with
 BLOCKS=BLOCKS_PER_SERVER), sends the prompts to it one at a time (8 output tokens each), and
@@ -157,7 +160,60 @@ def check(url, blocks, path):
     print(f"{path}: one server, {len(lines)} prompts one at a time: " + ", ".join(row))
 
 
+def rules(url, blocks, paths):
+    """Simple online placement rules replayed through the model: each new group (first
+    128-token block) gets a home server when it first appears and keeps it."""
+    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+
+    def fewer_groups_capped(limit):
+        def choose(work, groups):
+            s = 0 if (groups[0], work[0]) <= (groups[1], work[1]) else 1
+            if sum(work) and work[s] / sum(work) > limit:
+                s = 1 - s
+            return s
+        return choose
+
+    table = [
+        ("the server with less prompt work so far", lambda work, groups: 0 if work[0] <= work[1] else 1),
+        ("the server with fewer groups", fewer_groups_capped(1.0)),
+        ("fewer groups, unless that server has done > 52 % of the work", fewer_groups_capped(0.52)),
+    ]
+    print("| new group goes to | " + " | ".join(paths) + " |")
+    print("| --- |" + " --- |" * len(paths))
+    rows = {name: [] for name, _ in table}
+    for path in paths:
+        ids = [tokenize(url, model, json.loads(line)["messages"]) for line in open(path)]
+        seen = set()
+        free = 0
+        for t in ids:
+            chains = block_chains(t)
+            free += cached_tokens(len(t), chains, seen)
+            seen.update(chains)
+        prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+        group = [tuple(t[:BLOCK]) for t in ids]
+        for name, choose in table:
+            home = {}
+            work = [0, 0]
+            groups = [0, 0]
+
+            def server_of(i, choose=choose, home=home, work=work, groups=groups):
+                if group[i] not in home:
+                    home[group[i]] = choose(work, groups)
+                    groups[home[group[i]]] += 1
+                s = home[group[i]]
+                work[s] += prompts[i][2]
+                return s
+
+            hits, w = replay(prompts, server_of, blocks - 2)
+            rows[name].append(f"{hits / free:.3f}, {max(w) / sum(w) * 100:.0f} %")
+    for name, cells in rows.items():
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main():
+    if len(sys.argv) >= 4 and sys.argv[1] == "--rules":
+        rules(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+        return
     if len(sys.argv) == 5 and sys.argv[1] == "--check":
         check(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
