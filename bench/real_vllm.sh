@@ -20,7 +20,8 @@
 # each pinned to a core of its own: VLLM_CPU_OMP_THREADS_BIND=0 serve.sh P1; …=1 serve.sh P2).
 # The bound ("max"): every request's prompt tokenized by vLLM itself (POST /tokenize); a
 # request can hit at most the full 128-token blocks an earlier request already had, and never
-# its last token (bench/real_vllm_bound.py).
+# its last token (bench/real_vllm_bound.py). ORACLE=1 adds the best fixed split of the groups
+# found with hindsight on these evicting caches (bench/lru_oracle.py; minutes for 14 groups).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVE=${SERVE:-../shared/real-vllm/serve.sh}
@@ -137,3 +138,5 @@ done
 done
 
 python3 bench/real_vllm_bound.py "$OUT" "$(echo "$URLS" | cut -d' ' -f1)" "$ZIPF" "$SEED" "$GROUPS_N" "$RATE" $POLICIES
+# The requests each run sent (with each answer's backend) stay there, for bench/lru_oracle.py.
+echo "requests, metrics pages and loadgen summaries: $OUT" >&2

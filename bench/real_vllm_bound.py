@@ -3,6 +3,9 @@
 from vLLM's own tokenization.
 
 Usage: real_vllm_bound.py OUT_DIR VLLM_URL ZIPF SEED GROUPS RATE POLICY...
+Env: ORACLE=1 adds the best fixed split of the prompt groups found with hindsight on caches of
+BLOCKS (64) blocks per server (bench/lru_oracle.py; a few minutes for 14 groups), busiest server
+at most 55 %, and each policy's hit rate as a share of it.
 
 OUT_DIR holds, per policy, loadgen's summary (POLICY.json), the requests it sent
 (POLICY.requests.jsonl, from `loadgen run --dump-requests`) and each server's /metrics page before
@@ -112,7 +115,16 @@ def main():
     policies = sys.argv[7:]
     repeat = int(os.environ.get("REPEAT", "1"))
     runs = {p: ([p] if repeat == 1 else [f"{p}.r{r}" for r in range(1, repeat + 1)]) for p in policies}
-    max_rate, tokens = bound(url, os.path.join(out, runs[policies[0]][0] + ".requests.jsonl"))
+    first = os.path.join(out, runs[policies[0]][0] + ".requests.jsonl")
+    max_rate, tokens = bound(url, first)
+    best_split = None
+    if os.environ.get("ORACLE"):
+        import lru_oracle
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            model = json.load(r)["data"][0]["id"]
+        blocks = int(os.environ.get("BLOCKS", "64"))
+        total, _, _, _, balanced, _, _ = lru_oracle.oracle(url, model, first, blocks, 0.55)
+        best_split = balanced[0] / total if balanced else None
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
     multi = os.environ.get("WORKLOAD", "shared-prefix") == "multi-turn"
     shape = "multi-turn" if multi else ("uniform" if float(zipf) == 0 else f"Zipf {zipf}")
@@ -133,9 +145,18 @@ def main():
         f"- max: {max_rate:.3f}, the block-granular bound from vLLM's own tokenization ({tokens} prompt tokens of the first run; bench/real_vllm_bound.py)"
         + (" — prompts only: vLLM may also hit blocks of earlier answers, so hit / max can pass 1" if multi else ""),
         "- busiest: the larger server's share of Δvllm:prompt_tokens_total",
+    ]
+    split_col = best_split is not None
+    if split_col:
+        lines.append(
+            f"- best split: {best_split:.3f}, the hit rate of the best fixed split of the prompt groups between the servers, "
+            f"found with hindsight, busiest ≤ 55 %, caches of {os.environ.get('BLOCKS', '64')} blocks (bench/lru_oracle.py on the first run's requests)"
+        )
+    lines += [
         "",
-        "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit / max | busiest server (prompt tokens) | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| policy | requests ok | TTFT p50 | TTFT p90 | E2E p90 | vLLM hit rate | hit / max | "
+        + ("hit / best split | " if split_col else "") + "busiest server (prompt tokens) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | " + ("--- | " if split_col else "") + "--- | --- |",
     ]
     for p in policies:
         figures = [run_figures(out, r) for r in runs[p]]
@@ -151,7 +172,8 @@ def main():
             f"{spread([s['ttft']['p90'] for s, _, _ in figures], ms)} | {spread([s['e2e']['p90'] for s, _, _ in figures], ms)} | "
             f"{spread([r for _, r, _ in figures], lambda v: f'{v:.3f}')} | "
             f"{spread([r / max_rate if max_rate else 0 for _, r, _ in figures], lambda v: f'{v:.3f}')} | "
-            f"{spread([b * 100 for _, _, b in figures], lambda v: f'{v:.0f} %')} | {json.dumps(errors)} |"
+            + (f"{spread([r / best_split for _, r, _ in figures], lambda v: f'{v:.3f}')} | " if split_col else "")
+            + f"{spread([b * 100 for _, _, b in figures], lambda v: f'{v:.0f} %')} | {json.dumps(errors)} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
