@@ -41,6 +41,9 @@ Usage: lru_oracle.py VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl .
 (REQUESTS.jsonl: loadgen --dump-requests, as bench/real_vllm.sh keeps them in its OUT dir).
 Env: BUSIEST (default 0.55).
 
+       lru_oracle.py --replay VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl ...]
+replays only each dump's own assignment (loadgen recorded each answer's backend);
+
        lru_oracle.py --rules VLLM_URL BLOCKS_PER_SERVER REQUESTS.jsonl [REQUESTS.jsonl ...]
 replays a few simple online placement rules through the model (hit / bound, busiest share);
 
@@ -210,7 +213,32 @@ def rules(url, blocks, paths):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def replay_recorded(url, blocks, paths):
+    """Each dump's own assignment (its recorded backends) replayed through the model."""
+    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    for path in paths:
+        lines = [json.loads(line) for line in open(path)]
+        names = sorted({line.get("backend") or "" for line in lines})
+        if "" in names or len(names) > 2:
+            print(f"{path}: no recorded backend on some requests, or more than two backends")
+            continue
+        ids = [tokenize(url, model, line["messages"]) for line in lines]
+        seen = set()
+        free = 0
+        for t in ids:
+            chains = block_chains(t)
+            free += cached_tokens(len(t), chains, seen)
+            seen.update(chains)
+        prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+        hits, work = replay(prompts, lambda i: names.index(lines[i]["backend"]), blocks - 2)
+        total = sum(work)
+        print(f"{path}: the model reads {hits / total:.4f} = {hits / free:.3f} of the bound, busiest {max(work) / total * 100:.0f} %")
+
+
 def main():
+    if len(sys.argv) >= 4 and sys.argv[1] == "--replay":
+        replay_recorded(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+        return
     if len(sys.argv) >= 4 and sys.argv[1] == "--rules":
         rules(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
         return
