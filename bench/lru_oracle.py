@@ -60,7 +60,7 @@ import urllib.request
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_vllm_bound import BLOCK, block_chains, cached_tokens, tokenize  # noqa: E402
+from real_vllm_bound import BLOCK, block_chains, reachable, tokenize  # noqa: E402
 
 MAX_GROUPS = 18  # 2^17 splits at most
 
@@ -86,16 +86,32 @@ def replay(prompts, server_of, capacity):
     return hits, work
 
 
-def oracle(url, model, path, blocks, busiest_limit):
-    ids = [tokenize(url, model, json.loads(line)["messages"]) for line in open(path)]
-    total = sum(map(len, ids))
-    seen = set()
-    free = 0
-    for t in ids:
-        chains = block_chains(t)
-        free += cached_tokens(len(t), chains, seen)
-        seen.update(chains)
+def model_of(url):
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def load(url, model, path):
+    """A dump's lines, their prompts tokenized by vLLM, each prompt as `replay` takes it
+    (chains, hittable blocks, tokens), and the tokens the no-eviction bound serves."""
+    lines = [json.loads(line) for line in open(path)]
+    ids = [tokenize(url, model, line["messages"]) for line in lines]
     prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+    return lines, ids, prompts, reachable(ids)
+
+
+def recorded(lines):
+    """The dump's own assignment as `replay` takes it (prompt i → server 0 or 1), or None when
+    some request has no recorded backend or there are more than two."""
+    names = sorted({line.get("backend") or "" for line in lines})
+    if "" in names or len(names) > 2:
+        return None
+    return lambda i: names.index(lines[i]["backend"])
+
+
+def oracle(url, model, path, blocks, busiest_limit):
+    lines, ids, prompts, free = load(url, model, path)
+    total = sum(map(len, ids))
     keys = {}
     group = [keys.setdefault(tuple(t[:BLOCK]) if len(t) >= BLOCK else ("short", i), len(keys)) for i, t in enumerate(ids)]
     g = len(keys)
@@ -112,11 +128,10 @@ def oracle(url, model, path, blocks, busiest_limit):
         if busiest <= busiest_limit and (best_balanced is None or hits > best_balanced[0]):
             best_balanced = (hits, busiest, mask)
     # The run's own assignment, when loadgen recorded each answer's backend header.
-    recorded = [json.loads(line).get("backend") for line in open(path)]
     own = None
-    names = sorted(set(recorded))
-    if None not in names and len(names) <= 2:
-        hits, work = replay(prompts, lambda i: names.index(recorded[i]), capacity)
+    server_of = recorded(lines)
+    if server_of is not None:
+        hits, work = replay(prompts, server_of, capacity)
         own = (hits, max(work) / sum(work))
     replicated = None
     if best_balanced is not None:
@@ -144,10 +159,9 @@ def metric(url, name):
 
 
 def check(url, blocks, path):
-    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    model = model_of(url)
     urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", b"", method="POST"), timeout=30).read()
-    lines = [json.loads(line) for line in open(path)]
-    ids = [tokenize(url, model, line["messages"]) for line in lines]
+    lines, _, prompts, _ = load(url, model, path)
     hits0, queries0 = metric(url, "vllm:prefix_cache_hits_total"), metric(url, "vllm:prefix_cache_queries_total")
     for line in lines:
         body = json.dumps({"model": model, "messages": line["messages"], "max_tokens": 8}).encode()
@@ -155,7 +169,6 @@ def check(url, blocks, path):
         urllib.request.urlopen(req, timeout=120).read()
     hits = metric(url, "vllm:prefix_cache_hits_total") - hits0
     queries = metric(url, "vllm:prefix_cache_queries_total") - queries0
-    prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
     row = [f"vLLM {hits / queries:.4f}"]
     for kept in (blocks - 2, blocks - 1, blocks):
         h, work = replay(prompts, lambda i: 0, kept)
@@ -166,7 +179,7 @@ def check(url, blocks, path):
 def rules(url, blocks, paths):
     """Simple online placement rules replayed through the model: each new group (first
     128-token block) gets a home server when it first appears and keeps it."""
-    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    model = model_of(url)
 
     def fewer_groups_capped(limit):
         def choose(work, groups):
@@ -185,14 +198,7 @@ def rules(url, blocks, paths):
     print("| --- |" + " --- |" * len(paths))
     rows = {name: [] for name, _ in table}
     for path in paths:
-        ids = [tokenize(url, model, json.loads(line)["messages"]) for line in open(path)]
-        seen = set()
-        free = 0
-        for t in ids:
-            chains = block_chains(t)
-            free += cached_tokens(len(t), chains, seen)
-            seen.update(chains)
-        prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
+        _, ids, prompts, free = load(url, model, path)
         group = [tuple(t[:BLOCK]) for t in ids]
         for name, choose in table:
             home = {}
@@ -215,22 +221,15 @@ def rules(url, blocks, paths):
 
 def replay_recorded(url, blocks, paths):
     """Each dump's own assignment (its recorded backends) replayed through the model."""
-    model = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    model = model_of(url)
     for path in paths:
         lines = [json.loads(line) for line in open(path)]
-        names = sorted({line.get("backend") or "" for line in lines})
-        if "" in names or len(names) > 2:
+        server_of = recorded(lines)
+        if server_of is None:
             print(f"{path}: no recorded backend on some requests, or more than two backends")
             continue
-        ids = [tokenize(url, model, line["messages"]) for line in lines]
-        seen = set()
-        free = 0
-        for t in ids:
-            chains = block_chains(t)
-            free += cached_tokens(len(t), chains, seen)
-            seen.update(chains)
-        prompts = [(block_chains(t), (len(t) - 1) // BLOCK, len(t)) for t in ids]
-        hits, work = replay(prompts, lambda i: names.index(lines[i]["backend"]), blocks - 2)
+        _, _, prompts, free = load(url, model, path)
+        hits, work = replay(prompts, server_of, blocks - 2)
         total = sum(work)
         print(f"{path}: the model reads {hits / total:.4f} = {hits / free:.3f} of the bound, busiest {max(work) / total * 100:.0f} %")
 
@@ -249,8 +248,7 @@ def main():
         sys.exit(__doc__)
     url, blocks, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     limit = float(os.environ.get("BUSIEST", "0.55"))
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        model = json.load(r)["data"][0]["id"]
+    model = model_of(url)
     print(f"# two servers of {blocks} blocks ({blocks - 2} kept cached) of {BLOCK} tokens; busiest limit {limit:.2f}")
     print()
     print("| requests | prompts | groups | no-eviction bound | best split | best split, busiest ≤ limit | + one group on both | the run's own assignment |")

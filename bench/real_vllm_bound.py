@@ -60,18 +60,23 @@ def cached_tokens(n, chains, cached):
     return k * BLOCK
 
 
-def bound(url, requests_path):
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        model = json.load(r)["data"][0]["id"]
+def reachable(prompts):
+    """Tokens of `prompts` (token-id lists, in order) an unbounded cache serves: the bound."""
     seen = set()
-    hit = total = 0
-    for line in open(requests_path):
-        ids = tokenize(url, model, json.loads(line)["messages"])
-        total += len(ids)
+    hit = 0
+    for ids in prompts:
         chains = block_chains(ids)
         hit += cached_tokens(len(ids), chains, seen)
         seen.update(chains)
-    return hit / total if total else 0.0, total
+    return hit
+
+
+def bound(url, requests_path):
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    prompts = [tokenize(url, model, json.loads(line)["messages"]) for line in open(requests_path)]
+    total = sum(map(len, prompts))
+    return reachable(prompts) / total if total else 0.0, total
 
 
 def run_figures(out, run):
@@ -120,10 +125,8 @@ def main():
     best_split = None
     if os.environ.get("ORACLE"):
         import lru_oracle
-        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-            model = json.load(r)["data"][0]["id"]
         blocks = int(os.environ.get("BLOCKS", "64"))
-        total, _, _, _, balanced, _, _ = lru_oracle.oracle(url, model, first, blocks, 0.55)
+        total, _, _, _, balanced, _, _ = lru_oracle.oracle(url, lru_oracle.model_of(url), first, blocks, 0.55)
         best_split = balanced[0] / total if balanced else None
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
     multi = os.environ.get("WORKLOAD", "shared-prefix") == "multi-turn"
