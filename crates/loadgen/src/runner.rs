@@ -150,15 +150,12 @@ impl Ctx {
         .await;
         rec.session = t.session.id;
         rec.turn = t.turn;
+        // Locked only for a kept request the router named a backend for.
         if let (Some(i), Some(backend)) = (kept_at, &rec.backend) {
-            if let Some(kept) = self
-                .messages
-                .lock()
-                .ok()
-                .as_mut()
-                .and_then(|k| k.get_mut(i))
-            {
-                kept.backend = Some(backend.clone());
+            if let Ok(mut kept) = self.messages.lock() {
+                if let Some(kept) = kept.get_mut(i) {
+                    kept.backend = Some(backend.clone());
+                }
             }
         }
         rec
