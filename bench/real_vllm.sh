@@ -110,7 +110,8 @@ for policy in $POLICIES; do
       --host 127.0.0.1 --port "$PORT" --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)" \
       >"$OUT/$run.router.log" 2>&1 &
   elif [[ "$policy" == *-x2 ]]; then
-    EXTRA_CONFIG="$OUT/$policy.fragment.toml" bench/replica_front.sh 2 "$PORT" $URLS &
+    rm -f "$OUT/$run.replicas"
+    PORTS_FILE="$OUT/$run.replicas" EXTRA_CONFIG="$OUT/$policy.fragment.toml" bench/replica_front.sh 2 "$PORT" $URLS &
   else
     { printf 'listen = "127.0.0.1:%s"\nlog_level = "warn"\n' "$PORT"; for u in $URLS; do printf '[[backends]]\nurl = "%s"\n' "$u"; done; cat "$OUT/$policy.fragment.toml"; } > "$OUT/$policy.toml"
     "$BIN" --config "$OUT/$policy.toml" &
@@ -132,7 +133,11 @@ for policy in $POLICIES; do
     "${METRICS[@]}" --json "$OUT/$run.json" --dump-requests "$OUT/$run.requests.jsonl" >&2
   for u in $URLS; do curl -s "$u/metrics" > "$OUT/$run.after.$(echo "$u" | tr -c 'a-z0-9\n' _)"; done
   # The router's own series (prefix returns, thrash, replicas) for inferlb policies.
-  [ "$policy" = sglang ] || [[ "$policy" == *-x2 ]] || curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/$run.router.metrics" || true
+  if [[ "$policy" == *-x2 ]]; then
+    i=0; while read -r rp; do i=$((i + 1)); curl -s "http://127.0.0.1:$rp/metrics" > "$OUT/$run.router$i.metrics" || true; done < "$OUT/$run.replicas"
+  elif [ "$policy" != sglang ]; then
+    curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/$run.router.metrics" || true
+  fi
   kill "$LB"; wait "$LB" 2>/dev/null || true; LB=""
 done
 done

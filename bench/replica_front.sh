@@ -4,6 +4,7 @@
 # bench/replicas.sh through `loadgen compare --router-cmd`; stops everything on SIGTERM.
 # Usage: bench/replica_front.sh N PORT WORKER_URL...
 # EXTRA_CONFIG=FILE appends FILE (a config fragment: a profile, [kv_events], …) to every replica's config.
+# PORTS_FILE=FILE writes each replica's own port there, one per line (to read its /metrics).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=$1; PORT=$2; shift 2
@@ -30,6 +31,7 @@ for i in $(seq 1 "$N"); do
   "$BIN" --config "$DIR/r$i.toml" &
   pids+=($!)
   upstreams+="    server 127.0.0.1:$p;"$'\n'
+  [ -z "${PORTS_FILE:-}" ] || echo "$p" >> "$PORTS_FILE"
 done
 cat > "$DIR/nginx.conf" <<CONF
 worker_processes 1;
