@@ -37,6 +37,7 @@ pub const BACKEND_EJECTED: &str = "inferlb_backend_ejected";
 pub const BACKEND_EJECTIONS: &str = "inferlb_backend_ejections_total";
 pub const BACKEND_KV_USAGE: &str = "inferlb_backend_kv_cache_usage_ratio";
 pub const BACKEND_CHARS_PER_TOKEN: &str = "inferlb_backend_chars_per_token";
+pub const BACKEND_TRAFFIC_SHARE: &str = "inferlb_backend_traffic_share";
 pub const BACKEND_WAITING: &str = "inferlb_backend_waiting_requests";
 pub const BACKEND_RUNNING: &str = "inferlb_backend_running_requests";
 pub const BACKEND_SCRAPE_ERRORS: &str = "inferlb_backend_scrape_errors_total";
@@ -89,6 +90,7 @@ pub const DESCRIPTIONS: &[(&str, &str)] = &[
     (BACKEND_INFLIGHT, "Requests inferlb has in flight to the backend."),
     (BACKEND_KV_USAGE, "The backend's KV-cache usage (0-1) from its last scrape."),
     (BACKEND_CHARS_PER_TOKEN, "Routing-text bytes per prompt token the backend counted, measured from its prefix_cache_queries counter (absent until 8,192 tokens are counted); sizes the prefix index's record of its cache."),
+    (BACKEND_TRAFFIC_SHARE, "This router's share (0-1) of the requests the backend finished (its vllm:request_success counter), once 16 are counted: 1 alone on the backend, 1/N for each of N replicas behind a round-robin front; scales the chars-per-token figure and the prefix scorer's traffic thresholds."),
     (BACKEND_WAITING, "Requests waiting in the backend's queue at its last scrape."),
     (BACKEND_RUNNING, "Requests running on the backend at its last scrape."),
     (BACKEND_SCRAPE_ERRORS, "Failed or unusable /metrics scrapes, by backend and kind (connect, status, timeout, parse)."),

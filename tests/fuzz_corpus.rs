@@ -227,7 +227,7 @@ fn metrics_outcome(m: &Result<LoadMetrics, impl std::fmt::Debug>) -> String {
     let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v}"));
     let u = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
     format!(
-        "w={};r={};kv={};bs={};nb={};h={};q={};lora={}/{}/{}",
+        "w={};r={};kv={};bs={};nb={};h={};q={};fin={};lora={}/{}/{}",
         f(m.waiting),
         f(m.running),
         f(m.kv_usage),
@@ -235,6 +235,7 @@ fn metrics_outcome(m: &Result<LoadMetrics, impl std::fmt::Debug>) -> String {
         u(m.num_gpu_blocks),
         f(m.prefix_cache_hits),
         f(m.prefix_cache_queries),
+        f(m.requests_finished),
         m.running_loras.join(","),
         m.waiting_loras.join(","),
         u(m.max_lora),

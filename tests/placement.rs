@@ -346,11 +346,22 @@ fn sample(page: &str, name: &str) -> Option<f64> {
 /// measured, the simulator's own count (prompt bytes ÷ its `prefix_cache_queries`), and the
 /// blocks of 64 characters its prefix index holds for that cache. The binary, so that its
 /// metrics (the index's size) are its own, not shared with the other tests' routers here.
+/// With `others`, another client sends as many prompts of the same kind to the simulator
+/// directly, one beside each of the router's (another replica behind a round-robin front).
+struct Record {
+    measured: f64,
+    truth: f64,
+    blocks: f64,
+    /// The router's share of the simulator's finished requests, as `/admin/backends` shows it.
+    share: Option<f64>,
+}
+
 async fn record_of_a_4096_token_cache(
     name: &str,
     config: &str,
     kv_events: bool,
-) -> (f64, f64, f64) {
+    others: bool,
+) -> Record {
     const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-llama");
     let sim = common::sim::start(vllm_sim::SimConfig {
         tokenizer: Some(FIXTURE.into()),
@@ -388,6 +399,7 @@ async fn record_of_a_4096_token_cache(
     assert!(ready(&admin().await), "not ready: {}", admin().await);
     let client = common::client();
     let url = format!("http://{}/v1/completions", router.addr);
+    let direct = format!("{}/v1/completions", sim.url());
     let mut sent_chars = 0usize;
     let mut send = |seed: u64| {
         let prompt = words(seed, 1_500);
@@ -395,10 +407,23 @@ async fn record_of_a_4096_token_cache(
         let req = client
             .post(&url)
             .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}));
+        // The other client's prompt: other words, as long.
+        let other = others.then(|| words(seed + 1_000, 1_500));
+        sent_chars += other.as_ref().map_or(0, String::len);
+        let other = other.map(|prompt| {
+            client.post(&direct).json(
+                &serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}),
+            )
+        });
         async move {
             let resp = req.send().await.unwrap();
             assert_eq!(resp.status(), 200);
             resp.bytes().await.unwrap();
+            if let Some(other) = other {
+                let resp = other.send().await.unwrap();
+                assert_eq!(resp.status(), 200);
+                resp.bytes().await.unwrap();
+            }
         }
     };
     for seed in 0..24 {
@@ -445,9 +470,15 @@ async fn record_of_a_4096_token_cache(
         "{gauge} against {measured}"
     );
     let blocks = sample(&page, "inferlb_prefix_index_blocks").unwrap();
+    let share = admin().await["backends"][0]["chars_per_token"]["traffic_share"].as_f64();
     common::kv_events::stop(router);
     let _ = std::fs::remove_dir_all(&dir);
-    (measured, truth, blocks)
+    Record {
+        measured,
+        truth,
+        blocks,
+        share,
+    }
 }
 
 /// Do `blocks` of 64 characters fill a record of a 4,096-token cache at `per_token` characters
@@ -468,8 +499,12 @@ const MEASURE: &str =
 /// fails.
 #[tokio::test]
 async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
-    let (measured, truth, blocks) =
-        record_of_a_4096_token_cache("true", &format!("{MEASURE}true\n"), false).await;
+    let Record {
+        measured,
+        truth,
+        blocks,
+        ..
+    } = record_of_a_4096_token_cache("true", &format!("{MEASURE}true\n"), false, false).await;
     assert!(
         (measured / truth - 1.0).abs() < 0.1,
         "measured {measured} characters per token, the simulator counted {truth}"
@@ -487,7 +522,12 @@ async fn the_prefix_index_is_sized_by_the_measured_characters_per_token() {
 #[tokio::test]
 async fn by_default_only_a_backend_with_a_live_stream_is_sized_by_its_measured_figure() {
     let live = "[kv_events]\ndefault = \"auto\"\n";
-    let (measured, truth, blocks) = record_of_a_4096_token_cache("auto-live", live, true).await;
+    let Record {
+        measured,
+        truth,
+        blocks,
+        ..
+    } = record_of_a_4096_token_cache("auto-live", live, true, false).await;
     assert!(
         (measured / truth - 1.0).abs() < 0.1,
         "{measured} against {truth}"
@@ -496,9 +536,32 @@ async fn by_default_only_a_backend_with_a_live_stream_is_sized_by_its_measured_f
         full_record(blocks, measured),
         "live stream: {blocks} blocks at {measured} characters per token"
     );
-    let (measured, _, blocks) = record_of_a_4096_token_cache("auto-none", "", false).await;
+    let Record {
+        measured, blocks, ..
+    } = record_of_a_4096_token_cache("auto-none", "", false, false).await;
     assert!(
         full_record(blocks, 4.0),
         "no stream: {blocks} blocks, not the assumed 256 (measured {measured})"
+    );
+}
+
+/// A backend that another client uses as much as this router (a second replica behind a
+/// round-robin front, or users calling it directly): the router reads its share of the
+/// backend's finished requests, about a half, and divides its figure by it, so it still reads
+/// the workload's characters per token rather than half of them. With the share ignored the
+/// figure is half the truth and this fails.
+#[tokio::test]
+async fn a_router_sending_half_of_a_backends_traffic_still_measures_the_whole_figure() {
+    let Record {
+        measured,
+        truth,
+        share,
+        ..
+    } = record_of_a_4096_token_cache("shared", &format!("{MEASURE}true\n"), false, true).await;
+    let share = share.expect("a share is measured");
+    assert!((0.4..=0.6).contains(&share), "share {share}");
+    assert!(
+        (measured / truth - 1.0).abs() < 0.1,
+        "measured {measured} characters per token, the simulator counted {truth} over both clients"
     );
 }

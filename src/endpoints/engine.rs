@@ -28,6 +28,10 @@ pub struct EngineMetricNames {
     /// Prefix-cache counters (tokens); a decrease means the server restarted.
     pub prefix_cache_hits: Option<String>,
     pub prefix_cache_queries: Option<String>,
+    /// Requests the engine finished (a counter, summed over series: vLLM labels it by
+    /// `finished_reason`). Beside the requests this router saw answered, it gives the router's
+    /// share of the backend's traffic ([`super::chars_per_token`]).
+    pub requests_finished: Option<String>,
 }
 
 impl Default for EngineMetricNames {
@@ -41,6 +45,7 @@ impl Default for EngineMetricNames {
             lora: None,
             prefix_cache_hits: None,
             prefix_cache_queries: None,
+            requests_finished: None,
         }
     }
 }
@@ -58,6 +63,7 @@ impl EngineMetricNames {
                 lora: Some("vllm:lora_requests_info".into()),
                 prefix_cache_hits: Some("vllm:prefix_cache_hits".into()),
                 prefix_cache_queries: Some("vllm:prefix_cache_queries".into()),
+                requests_finished: Some("vllm:request_success".into()),
             }),
             "sglang" => Some(EngineMetricNames {
                 waiting: s(&["sglang:num_queue_reqs"]),
@@ -68,6 +74,7 @@ impl EngineMetricNames {
                 lora: None,
                 prefix_cache_hits: None,
                 prefix_cache_queries: None,
+                requests_finished: None,
             }),
             _ => None,
         }
@@ -80,7 +87,11 @@ impl EngineMetricNames {
     /// few hundred bytes instead of tens of kilobytes; servers that ignore it send the whole
     /// page, which is read the same way. The counter families are asked for as `x_total` too.
     pub fn filter_query(&self) -> String {
-        let counters = [&self.prefix_cache_hits, &self.prefix_cache_queries];
+        let counters = [
+            &self.prefix_cache_hits,
+            &self.prefix_cache_queries,
+            &self.requests_finished,
+        ];
         let gauges = [&self.cache_config, &self.lora];
         let mut names: Vec<String> = self
             .waiting
@@ -134,6 +145,8 @@ pub struct LoadMetrics {
     pub max_lora: Option<u64>,
     pub prefix_cache_hits: Option<f64>,
     pub prefix_cache_queries: Option<f64>,
+    /// Requests the engine finished, every reason summed.
+    pub requests_finished: Option<f64>,
 }
 
 impl LoadMetrics {
@@ -214,15 +227,17 @@ pub struct PageError(#[from] super::prometheus::ParseError);
 /// garbage cannot be trusted for the lines that happen to parse.
 pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, PageError> {
     let one = |n: &Option<String>| n.iter().cloned().collect::<Vec<_>>();
-    let (hits_names, queries_names) = (
+    let (hits_names, queries_names, finished_names) = (
         one(&names.prefix_cache_hits),
         one(&names.prefix_cache_queries),
+        one(&names.requests_finished),
     );
     let mut waiting = Signal::new(&names.waiting);
     let mut running = Signal::new(&names.running);
     let mut kv = Signal::new(&names.kv_usage);
     let mut hits = Signal::new(&hits_names);
     let mut queries = Signal::new(&queries_names);
+    let mut finished = Signal::new(&finished_names);
     let mut out = LoadMetrics::default();
     let mut lora_stamp = f64::NEG_INFINITY;
     let all_names: Vec<&str> = names
@@ -232,6 +247,7 @@ pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, Pag
         .chain(&names.kv_usage)
         .chain(&hits_names)
         .chain(&queries_names)
+        .chain(&finished_names)
         .chain(&names.cache_config)
         .chain(&names.lora)
         .map(|n| n.strip_suffix("_total").unwrap_or(n))
@@ -248,6 +264,7 @@ pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, Pag
         kv.offer(&sample);
         hits.offer(&sample);
         queries.offer(&sample);
+        finished.offer(&sample);
         if names.cache_config.as_deref() == Some(sample.name) {
             out.block_size = sample.label("block_size").and_then(|v| v.parse().ok());
             out.num_gpu_blocks = sample.label("num_gpu_blocks").and_then(|v| v.parse().ok());
@@ -273,6 +290,7 @@ pub fn extract(page: &str, names: &EngineMetricNames) -> Result<LoadMetrics, Pag
         .map(|v| (v * names.kv_usage_scale).clamp(0.0, 1.0));
     out.prefix_cache_hits = hits.sum();
     out.prefix_cache_queries = queries.sum();
+    out.requests_finished = finished.sum();
     Ok(out)
 }
 
@@ -297,10 +315,10 @@ mod tests {
         let q = vllm().filter_query();
         assert!(q.contains("name%5B%5D=vllm%3Acache_config_info&"), "{q}");
         assert!(
-            q.ends_with("name%5B%5D=vllm%3Aprefix_cache_queries_total"),
+            q.ends_with("name%5B%5D=vllm%3Arequest_success_total"),
             "{q}"
         );
-        assert_eq!(q.matches("name%5B%5D=").count(), 10, "{q}");
+        assert_eq!(q.matches("name%5B%5D=").count(), 12, "{q}");
     }
 
     #[test]
@@ -314,7 +332,21 @@ mod tests {
         assert_eq!(m.kv_capacity_tokens(), Some(524_288));
         assert_eq!(m.prefix_cache_hits, Some(768.0));
         assert_eq!(m.prefix_cache_queries, Some(2072.0));
+        // Summed over its five `finished_reason` series; `request_success_created` is not it.
+        assert_eq!(m.requests_finished, Some(10.0));
         assert!(m.running_loras.is_empty());
+    }
+
+    #[test]
+    fn finished_requests_sum_every_reason() {
+        let page = "vllm:request_success_total{finished_reason=\"stop\"} 7\n\
+                    vllm:request_success_total{finished_reason=\"length\"} 3\n\
+                    vllm:request_success_total{finished_reason=\"abort\"} 2\n\
+                    vllm:request_success_created{finished_reason=\"stop\"} 1.7e9\n";
+        assert_eq!(
+            extract(page, &vllm()).unwrap().requests_finished,
+            Some(12.0)
+        );
     }
 
     #[test]

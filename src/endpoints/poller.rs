@@ -18,6 +18,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::time::sleep_until;
 
+use super::chars_per_token::Reading;
 use super::engine::{extract, LoadMetrics};
 use super::{Backend, BackendState, ModelEntry, Pool};
 use crate::endpoints::PollerConfig;
@@ -141,6 +142,7 @@ struct Handles {
     ejected: metrics::Gauge,
     kv_usage: metrics::Gauge,
     chars_per_token: metrics::Gauge,
+    traffic_share: metrics::Gauge,
     waiting: metrics::Gauge,
     running: metrics::Gauge,
     /// `inferlb_backend_info{backend, role}`, always 1 (its labels are the information).
@@ -157,6 +159,7 @@ impl Handles {
             ejected: metrics::gauge!(t::BACKEND_EJECTED, "backend" => b.clone()),
             kv_usage: metrics::gauge!(t::BACKEND_KV_USAGE, "backend" => b.clone()),
             chars_per_token: metrics::gauge!(t::BACKEND_CHARS_PER_TOKEN, "backend" => b.clone()),
+            traffic_share: metrics::gauge!(t::BACKEND_TRAFFIC_SHARE, "backend" => b.clone()),
             waiting: metrics::gauge!(t::BACKEND_WAITING, "backend" => b.clone()),
             running: metrics::gauge!(t::BACKEND_RUNNING, "backend" => b.clone()),
             info: metrics::gauge!(t::BACKEND_INFO, "backend" => b, "role" => backend.role.as_str()),
@@ -292,8 +295,12 @@ impl Poller {
         refresh_models: bool,
     ) {
         let started = Instant::now();
-        // Read before the scrape: every prompt counted here was counted by the backend.
-        let served_chars = backend.work().served_chars();
+        // Read before the scrape: every prompt and request counted here was counted by the
+        // backend.
+        let (served_chars, served_requests) = (
+            backend.work().served_chars(),
+            backend.work().served_requests(),
+        );
         let mut scrape = self.scrape(conn, target, backend).await;
         if target.filtered && matches!(scrape, Scrape::Unusable(_)) {
             tracing::info!(backend = %backend.name, path = %target.uri, "no usable filtered metrics page; reading /metrics whole");
@@ -307,15 +314,21 @@ impl Poller {
         let fresh = matches!(scrape, Scrape::Ok(_));
         let mut next = next_state(&prev, scrape, &self.cfg, Instant::now());
         if fresh {
-            let tokens = next
-                .metrics
-                .as_ref()
-                .and_then(|(m, _)| m.prefix_cache_queries);
-            next.chars_per_token =
-                prev.chars_per_token
-                    .observe(served_chars, tokens, next.epoch != prev.epoch);
+            let metrics = next.metrics.as_ref().map(|(m, _)| m);
+            let reading = Reading {
+                chars: served_chars,
+                own: served_requests,
+                tokens: metrics.and_then(|m| m.prefix_cache_queries),
+                finished: metrics.and_then(|m| m.requests_finished),
+            };
+            next.chars_per_token = prev
+                .chars_per_token
+                .observe(reading, next.epoch != prev.epoch);
             if let Some(r) = next.chars_per_token.ratio() {
                 handles.chars_per_token.set(r);
+            }
+            if let Some(share) = next.chars_per_token.share() {
+                handles.traffic_share.set(share);
             }
         }
         // Discover models at start, periodically, on re-admission, and while none are known.

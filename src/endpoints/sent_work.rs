@@ -48,6 +48,10 @@ pub struct SentWork {
     /// Routing-text bytes of the prompts this backend has started answering, since the
     /// backend joined (see [`super::chars_per_token`]).
     served_chars: AtomicU64,
+    /// Requests this backend answered with a success and that have ended, since the backend
+    /// joined: beside the engine's own count of finished requests, this router's share of
+    /// the backend's traffic (see [`super::chars_per_token`]).
+    served_requests: AtomicU64,
 }
 
 /// A quantity that decays with a half-life of [`RECENT_HALF_LIFE_MS`]: one atomic word (the
@@ -176,6 +180,17 @@ impl SentWork {
     /// Routing-text bytes of every prompt [`Self::note_served_chars`] counted (saturating).
     pub fn served_chars(&self) -> u64 {
         self.served_chars.load(Ordering::Relaxed)
+    }
+
+    /// A request this backend started answering with a success has ended (counted at the end,
+    /// as the engine counts a finished request).
+    pub fn note_served_request(&self) {
+        add(&self.served_requests, 1);
+    }
+
+    /// Requests [`Self::note_served_request`] counted (saturating).
+    pub fn served_requests(&self) -> u64 {
+        self.served_requests.load(Ordering::Relaxed)
     }
 
     /// Recent prompt tokens sent (see the module doc), decayed to `now_ms`.

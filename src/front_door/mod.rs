@@ -640,6 +640,8 @@ async fn backends(State(app): State<Arc<AppState>>) -> Response {
                     "measured": s.chars_per_token.ratio(),
                     "tokens_counted": s.chars_per_token.tokens_counted().round(),
                     "served_chars": b.work().served_chars(),
+                    "served_requests": b.work().served_requests(),
+                    "traffic_share": s.chars_per_token.share(),
                 },
                 "epoch": s.epoch,
                 "consecutive_failures": s.consecutive_failures,

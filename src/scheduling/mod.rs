@@ -201,6 +201,10 @@ pub struct InflightGuard {
     /// The prompt's routing-text bytes, counted as served by the backend at the first byte of
     /// a successful answer (0 once counted, or when the answer is not a success).
     served_chars: u64,
+    /// Whether the backend answered with a success (no [`Self::prompt_not_served`]).
+    success: bool,
+    /// A successful answer's first byte arrived: the request counts as served when it ends.
+    answered: bool,
 }
 
 impl InflightGuard {
@@ -214,6 +218,8 @@ impl InflightGuard {
             slot,
             charge: None,
             served_chars: 0,
+            success: true,
+            answered: false,
         }
     }
 
@@ -240,12 +246,14 @@ impl InflightGuard {
         if chars > 0 {
             self.backend().work().note_served_chars(chars);
         }
+        self.answered = self.success;
     }
 
     /// The backend's answer is not a success: it may not have counted the prompt's tokens,
-    /// so the prompt's characters are not counted either.
+    /// so the prompt's characters are not counted either, nor the request as served.
     pub fn prompt_not_served(&mut self) {
         self.served_chars = 0;
+        self.success = false;
     }
 
     /// The prompt tokens this backend is charged to prefill ([`Scheduler::sent`]'s estimate;
@@ -267,5 +275,15 @@ impl InflightGuard {
     /// This request is the probe of a backend on probation.
     pub fn is_probe(&self) -> bool {
         self.slot.is_probe()
+    }
+}
+
+impl Drop for InflightGuard {
+    /// A request answered with a success has ended: the engine counts it finished now too
+    /// (a client that hangs up mid-answer is an abort there, still a finished request).
+    fn drop(&mut self) {
+        if self.answered {
+            self.backend().work().note_served_request();
+        }
     }
 }

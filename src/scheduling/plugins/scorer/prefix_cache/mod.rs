@@ -167,6 +167,21 @@
 //! hit bound, and to 56 / 54 % in long runs (57 / 56 % before) at the same hit rate, with the
 //! simulator's precise Zipf TTFT p90 at 0.117 s against 0.121 s (README, ninth round).
 //!
+//! # Several routers in front of one fleet
+//!
+//! Each of `N` replicas of this router behind a round-robin front sees `1/N` of the fleet's
+//! traffic, so a threshold counted in this router's own traffic is reached `N` times less often
+//! than one router reaches it: the hot gate's and replication's `replicate_min_prompts · P`,
+//! bounded load's `fair ≥ replicate_min_prompts · P` and the thrash count's
+//! [`THRASH_MIN_PROMPTS`]. Each is multiplied by the candidates' mean **traffic share**
+//! (this router's share of the requests each backend finished, from the backend's own
+//! counter: [`crate::endpoints::chars_per_token`]; 1 until measured or where the engine has no
+//! such counter), while the thresholds relative to this router's own mean work (`room_hot_share`,
+//! `replicate_share`) need nothing. On two real vLLM servers behind two replicas (short Zipf
+//! runs) the busiest server took 57 / 59 % of the prompt tokens against one router's 52 / 52 %:
+//! half-rate gates, and a characters-per-token figure measured at half the truth (0.50–0.67
+//! against 1.18), which the share also corrects (README, Performance, eleventh round).
+//!
 //! # Precise scoring (KV events)
 //!
 //! When a candidate's KV-event stream is `live` (see [`crate::kv_events`]) and the request has
@@ -450,6 +465,9 @@ pub struct PrefixCacheScorer {
     /// The candidates' mean measured characters per token at the last match (`f64` bits; 0
     /// until one is measured): the scale of this scorer's token estimates.
     fleet_chars_per_token: AtomicU64,
+    /// The candidates' mean measured traffic share at the last match (`f64` bits; 0 until one
+    /// is measured): the scale of this scorer's absolute traffic thresholds.
+    fleet_share: AtomicU64,
 }
 
 impl PrefixCacheScorer {
@@ -530,6 +548,7 @@ impl PrefixCacheScorer {
             routed_prompts: Recent::default(),
             returned: Recent::default(),
             fleet_chars_per_token: AtomicU64::new(0),
+            fleet_share: AtomicU64::new(0),
         })
     }
 
@@ -578,6 +597,30 @@ impl PrefixCacheScorer {
             Measure::Auto(_) => {
                 self.params.precise && backend.kv().status(now_ms()) == Status::Live
             }
+        }
+    }
+
+    /// This router's share of the fleet's traffic (0–1]: the candidates' mean measured share
+    /// at the last match, else 1. Thresholds counted in this router's own recent traffic are
+    /// multiplied by it (module doc, several routers).
+    fn traffic_scale(&self) -> f64 {
+        let share = f64::from_bits(self.fleet_share.load(Ordering::Relaxed));
+        if share > 0.0 && share <= 1.0 {
+            share
+        } else {
+            1.0
+        }
+    }
+
+    /// Note the candidates' mean measured traffic share, if any has one.
+    fn note_fleet_share(&self, candidates: &[Candidate<'_>]) {
+        let (sum, n) = candidates
+            .iter()
+            .filter_map(|c| c.state.chars_per_token.share())
+            .fold((0.0, 0usize), |(s, n), r| (s + r, n + 1));
+        if n > 0 {
+            let mean = sum / n as f64;
+            self.fleet_share.store(mean.to_bits(), Ordering::Relaxed);
         }
     }
 
@@ -719,6 +762,7 @@ impl PrefixCacheScorer {
         self.index.match_lengths(&hashes, &ids, &mut matched);
         let n = hashes.len();
         self.note_fleet_per_token(candidates);
+        self.note_fleet_share(candidates);
         let chars_per_token = self.per_token();
         let mut out = vec![Held::default(); candidates.len()];
         for ((slot, m), exact) in out.iter_mut().zip(&matched).zip(&exact) {
@@ -803,12 +847,15 @@ impl PrefixCacheScorer {
     /// The fleet's recent thrash: the share of recent prompt tokens whose prefix came back
     /// after a cache dropped it; 0 before any traffic and while fewer than
     /// [`THRASH_MIN_PROMPTS`] prompts' worth came back (one or two returns are a rate only
-    /// over a long run: on 56 requests a single one is 1.8 %, and closed the gate at 2 %).
+    /// over a long run: on 56 requests a single one is 1.8 %, and closed the gate at 2 %; a
+    /// fleet's worth, so this router's traffic share of it).
     pub fn thrash(&self, now: u64) -> f64 {
         let routed = self.routed.get(now);
         let prompts = self.routed_prompts.get(now);
         let returned = self.returned.get(now);
-        if routed > 0.0 && prompts > 0.0 && returned >= THRASH_MIN_PROMPTS * routed / prompts {
+        let least =
+            THRASH_MIN_PROMPTS * self.traffic_scale() * routed / prompts.max(f64::MIN_POSITIVE);
+        if routed > 0.0 && prompts > 0.0 && returned >= least {
             (returned / routed).clamp(0.0, 1.0)
         } else {
             0.0
@@ -847,6 +894,8 @@ impl PrefixCacheScorer {
             return;
         }
         let prompt = request.estimated_prompt_tokens() as f64;
+        // The absolute thresholds count the fleet's traffic: this router sees its share.
+        let min_traffic = p.replicate_min_prompts * prompt * self.traffic_scale();
         // The prefix's holders hold the most of the prompt; its group adds every candidate
         // holding at least half of that (a copy of the prefix with another tail).
         let full = |h: &Held| h.ratio() >= best;
@@ -873,7 +922,7 @@ impl PrefixCacheScorer {
         };
         let copy = least(&|i| in_group(&held[i]) && !full(&held[i]) && work[i] < bound);
         if let Some(copy) = copy {
-            if fair >= p.replicate_min_prompts * prompt {
+            if fair >= min_traffic {
                 Self::grant(held, holder, copy, Grant::Overflow);
             }
             return;
@@ -899,9 +948,7 @@ impl PrefixCacheScorer {
         let Some(target) = least(&|i| !in_group(&held[i]) && work[i] < bound) else {
             return;
         };
-        if traffic >= p.replicate_min_prompts * prompt
-            && traffic >= p.replicate_share * fair * members as f64
-        {
+        if traffic >= min_traffic && traffic >= p.replicate_share * fair * members as f64 {
             Self::grant(held, holder, target, Grant::Replica);
         }
     }
@@ -923,7 +970,8 @@ impl PrefixCacheScorer {
     /// hashes, `held` of them held by `backend`, which took it) and, when the prefix it reuses
     /// (the first half of what was held: the part its group shares) was hot, in the backend's
     /// hot work: the prefix brought at least `room_hot_share` × `fair` (the candidates' mean
-    /// recent work) and `replicate_min_prompts` prompts' worth lately. Returns the tokens.
+    /// recent work) and `replicate_min_prompts` prompts' worth lately (× this router's traffic
+    /// share). Returns the tokens.
     fn count_traffic(
         &self,
         request: &RequestView,
@@ -937,7 +985,8 @@ impl PrefixCacheScorer {
         if held > 0 {
             let p = &self.params;
             let r = self.traffic.recent(keys, held.div_ceil(2), now);
-            if r > 0.0 && r >= p.room_hot_share * fair && r >= p.replicate_min_prompts * tokens {
+            let least = p.replicate_min_prompts * tokens * self.traffic_scale();
+            if r > 0.0 && r >= p.room_hot_share * fair && r >= least {
                 backend.work().note_hot(tokens, now);
             }
         }

@@ -444,6 +444,80 @@ fn a_hot_prefix_on_an_overloaded_holder_gets_a_second_holder() {
     assert_ne!(held(&hot)[1].granted, Some(Grant::Replica));
 }
 
+/// Each of `backends` as a candidate with its published state.
+fn as_published(backends: &[Arc<Backend>]) -> Vec<Candidate<'_>> {
+    backends
+        .iter()
+        .map(|x| {
+            let mut c = Candidate::with_metrics(x, None, 0);
+            c.state = x.state();
+            c
+        })
+        .collect()
+}
+
+/// `backend`'s state as if this router sent half of the requests it finished (one of two
+/// replicas behind a round-robin front).
+fn half_the_traffic(backend: &Backend) {
+    use crate::endpoints::chars_per_token::{CharsPerToken, Reading};
+    let at = |own: u64, finished: f64| Reading {
+        chars: 0,
+        own,
+        tokens: Some(0.0),
+        finished: Some(finished),
+    };
+    let mut state = backend.state().as_ref().clone();
+    state.chars_per_token = CharsPerToken::default()
+        .observe(at(0, 0.0), false)
+        .observe(at(20, 40.0), false);
+    assert_eq!(state.chars_per_token.share(), Some(0.5));
+    backend.publish(state);
+}
+
+/// A router that sees half of each backend's traffic sees half of a hot prefix's: two of its
+/// prompts replicate the prefix as four do for a router alone (the test above).
+#[test]
+fn a_router_with_half_the_traffic_replicates_at_half_the_prompts() {
+    let (b, s) = setup(2, REPLICATING);
+    for backend in &b {
+        half_the_traffic(backend);
+    }
+    let c = as_published(&b);
+    let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
+    send(&s, &hot, &c, &b[0]);
+    let held = |v: &RequestView| held_fresh(&s, v, &c);
+    assert_ne!(held(&hot)[1].granted, Some(Grant::Replica));
+    send(&s, &hot, &c, &b[0]);
+    let h = held(&hot);
+    assert_eq!(h[1].granted, Some(Grant::Replica), "{h:?}");
+}
+
+/// The hot gate counts the same: with half the traffic, a prefix that brought two prompts'
+/// worth lately is hot, and its next request counts in its backend's hot work.
+#[test]
+fn a_router_with_half_the_traffic_counts_a_prefix_hot_at_half_the_prompts() {
+    for (share_known, hot_after_two) in [(false, false), (true, true)] {
+        let (b, s) = setup(
+            2,
+            "block_size = 4
+capacity = 1000",
+        );
+        if share_known {
+            for backend in &b {
+                half_the_traffic(backend);
+            }
+        }
+        let c = as_published(&b);
+        let hot = view("hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhqqqq");
+        for _ in 0..3 {
+            send(&s, &hot, &c, &b[0]);
+        }
+        // The third request found two prompts' worth of traffic before it.
+        let is_hot = b[0].work().recent_hot(now_ms()) > 0.0;
+        assert_eq!(is_hot, hot_after_two, "share known: {share_known}");
+    }
+}
+
 #[test]
 fn replication_is_off_with_a_zero_share_and_for_cold_prefixes() {
     let (b, s) = setup(2, "block_size = 4\ncapacity = 1000\nreplicate_share = 0");
@@ -547,11 +621,17 @@ fn a_prefix_a_live_backend_reports_evicted_counts_as_thrash_when_it_comes_back()
 /// with a live KV-event stream is sized by its figure.
 #[test]
 fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
-    use crate::endpoints::chars_per_token::CharsPerToken;
+    use crate::endpoints::chars_per_token::{CharsPerToken, Reading};
     let measured = |chars: u64, tokens: f64| {
+        let at = |chars: u64, tokens: f64| Reading {
+            chars,
+            own: 0,
+            tokens: Some(tokens),
+            finished: None,
+        };
         CharsPerToken::default()
-            .observe(0, Some(0.0), false)
-            .observe(chars, Some(tokens), false)
+            .observe(at(0, 0.0), false)
+            .observe(at(chars, tokens), false)
     };
     let b = backends(3);
     for (backend, ratio) in b
