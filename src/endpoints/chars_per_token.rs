@@ -1,5 +1,6 @@
 //! Each backend's characters per token, measured: how many bytes of routing text (see
-//! [`crate::prompt`]) this router's prompts carry per token the backend counted for them.
+//! [`crate::prompt`]) this router's prompts carry per token the backend counted for them; and,
+//! to get it right, this router's share of the backend's traffic.
 //!
 //! The approximate prefix index counts prompts in characters and caches hold tokens, so the
 //! index sizes each backend's record of its cache as `cache tokens × characters per token`.
@@ -42,8 +43,9 @@
 //! directly. Without it each of two replicas read half the workload's figure on real vLLM
 //! (0.50–0.67 against 1.18), sized its record of every cache at half the truth, and saw
 //! evictions that did not happen. The share assumes the others' prompts are like this router's
-//! (the same tokens per request); the prefix scorer also scales its absolute traffic thresholds
-//! by it, since each replica sees only its share of a hot prefix's traffic.
+//! (the same tokens per request). The scorers read it too, since each replica sees only its
+//! share of the traffic: the prefix scorer scales its absolute traffic thresholds by it, and
+//! the prefill-cost scorer divides the queue it sees at a backend by it.
 //!
 //! The remaining errors lean the same way, towards fewer characters per token and so a smaller
 //! index (which sees evictions early rather than late): prompts scheduled but not yet answered
