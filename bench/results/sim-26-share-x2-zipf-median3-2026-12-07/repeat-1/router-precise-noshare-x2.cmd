@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 38825 http://127.0.0.1:39165 http://127.0.0.1:44713 http://127.0.0.1:45327 http://127.0.0.1:46059

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 38185 http://127.0.0.1:44727 http://127.0.0.1:37659 http://127.0.0.1:36851 http://127.0.0.1:38657

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 39957 http://127.0.0.1:43947 http://127.0.0.1:39623 http://127.0.0.1:43183 http://127.0.0.1:44987

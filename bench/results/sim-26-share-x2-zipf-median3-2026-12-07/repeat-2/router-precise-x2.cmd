@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 42301 http://127.0.0.1:37667 http://127.0.0.1:35941 http://127.0.0.1:39481 http://127.0.0.1:33915

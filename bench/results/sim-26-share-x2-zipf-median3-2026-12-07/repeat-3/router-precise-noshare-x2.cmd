@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 32815 http://127.0.0.1:39071 http://127.0.0.1:36885 http://127.0.0.1:37763 http://127.0.0.1:32779

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 34327 http://127.0.0.1:43277 http://127.0.0.1:46209 http://127.0.0.1:42251 http://127.0.0.1:42401
