@@ -43,9 +43,8 @@
 //! directly. Without it each of two replicas read half the workload's figure on real vLLM
 //! (0.50–0.67 against 1.18), sized its record of every cache at half the truth, and saw
 //! evictions that did not happen. The share assumes the others' prompts are like this router's
-//! (the same tokens per request). The scorers read it too, since each replica sees only its
-//! share of the traffic: the prefix scorer scales its absolute traffic thresholds by it, and
-//! the prefill-cost scorer divides the queue it sees at a backend by it.
+//! (the same tokens per request). The prefix scorer also scales its absolute traffic
+//! thresholds by it, since each replica sees only its share of a hot prefix's traffic.
 //!
 //! The remaining errors lean the same way, towards fewer characters per token and so a smaller
 //! index (which sees evictions early rather than late): prompts scheduled but not yet answered
@@ -195,18 +194,6 @@ impl CharsPerToken {
             published,
             counted,
             share,
-        }
-    }
-}
-
-#[cfg(test)]
-impl CharsPerToken {
-    /// A measurement that has read this router's `share` of the backend's traffic and no
-    /// figure yet (other modules' tests).
-    pub fn with_share(share: f64) -> Self {
-        CharsPerToken {
-            share: Some(share),
-            ..Default::default()
         }
     }
 }

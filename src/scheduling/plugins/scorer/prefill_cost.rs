@@ -9,8 +9,8 @@
 //!
 //! ```text
 //! cost_i  = max(0, P − held_i)                      this request's own prefill there
-//!         + (pending_i                              prefill this router sent there, before its first token
-//!            + decode_weight · decoding_i) / s_i    prompt tokens of its requests past the first token
+//!         + pending_i                               prefill this router sent there, before its first token
+//!         + decode_weight · decoding_i              prompt tokens of its requests past the first token
 //! score_i = (min_j cost_j + smoothing) / (cost_i + smoothing)
 //! ```
 //!
@@ -20,12 +20,6 @@
 //! decision, unlike the engine's queue metrics. The cheapest candidate scores 1, one twice as
 //! expensive about ½ (`smoothing` tokens keep tiny differences from mattering when every cost
 //! is small); all equal → 1 for everyone.
-//!
-//! `s_i` is this router's measured share of `i`'s traffic ([`crate::endpoints::chars_per_token`]:
-//! its answered requests against the engine's finished counter; 1 until measured). A router
-//! alone reads 1. One of `N` replicas behind a round-robin front sees only its own `1/N` of
-//! each queue, so without it the queues weigh `N` times less against the prefill a cached
-//! prefix saves than they do for one router, and the replicas pile hot prefixes on their holders.
 //!
 //! A hot prefix therefore stays on its holder while the holder's queue of prefills is shorter
 //! than the prefix, and spills to a second backend (which pays the prefill once) when the queue
@@ -294,11 +288,9 @@ impl Scorer for PrefillCostScorer {
         for ((slot, c), h) in scores.iter_mut().zip(candidates).zip(held.iter()) {
             let own = (prompt - h.tokens).max(0.0);
             let work = c.backend.work();
-            // The whole queue, estimated from this router's part of it.
-            let share = c.state.chars_per_token.share().unwrap_or(1.0);
-            let queued =
-                work.prefill_tokens() as f64 + self.decode_weight * work.decode_tokens() as f64;
-            let cost = own + queued / share;
+            let cost = own
+                + work.prefill_tokens() as f64
+                + self.decode_weight * work.decode_tokens() as f64;
             *slot = cost;
             min = min.min(cost);
             // A hot prefix's new replica is scored as the holders are, but charged (and shown
@@ -366,33 +358,6 @@ mod tests {
         let want = [1_100.0 / 1_100.0, 1_100.0 / 1_500.0, 1_100.0 / 1_600.0];
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() < 1e-12, "{got:?}");
-        }
-    }
-
-    /// A backend this router sends half of the requests it finishes (one of two replicas):
-    /// the queue it sees there is half the backend's, and counts double.
-    #[test]
-    fn the_queue_seen_counts_for_the_whole_queue_by_this_routers_share() {
-        use crate::endpoints::chars_per_token::CharsPerToken;
-        let b = backends(2);
-        let s = scorer("decode_weight = 0.5\nsmoothing = 100.0");
-        let _p0 = Charge::new(&b[0], 400, 400);
-        let _p1 = Charge::new(&b[1], 400, 400);
-        let mut d1 = Charge::new(&b[1], 0, 200);
-        d1.first_token();
-        let mut c: Vec<_> = b
-            .iter()
-            .map(|b| Candidate::with_metrics(b, None, 0))
-            .collect();
-        let mut state = (*c[1].state).clone();
-        state.chars_per_token = CharsPerToken::with_share(0.5);
-        c[1].state = Arc::new(state);
-        let mut scores = vec![0.0; 2];
-        s.score(&view(4_000), &mut CycleState::default(), &c, &mut scores);
-        // b0: 1,000 + 400; b1: 1,000 + (400 + 0.5 × 200) / 0.5.
-        let want = [1_500.0 / 1_500.0, 1_500.0 / 2_100.0];
-        for (g, w) in scores.iter().zip(want) {
-            assert!((g - w).abs() < 1e-12, "{scores:?}");
         }
     }
 

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 43151 http://127.0.0.1:45707 http://127.0.0.1:34871 http://127.0.0.1:32971 http://127.0.0.1:43187

@@ -1,0 +1,1 @@
+env INFERLB_BIN=/tmp/inferlb-nopc EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 45039 http://127.0.0.1:35267 http://127.0.0.1:34713 http://127.0.0.1:42171 http://127.0.0.1:43901

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 33655 http://127.0.0.1:39981 http://127.0.0.1:35555 http://127.0.0.1:43259 http://127.0.0.1:38885

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 36877 http://127.0.0.1:44259 http://127.0.0.1:45779 http://127.0.0.1:44285 http://127.0.0.1:33213

@@ -1,0 +1,1 @@
+env INFERLB_BIN=/tmp/inferlb-nopc EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 34313 http://127.0.0.1:39417 http://127.0.0.1:44053 http://127.0.0.1:36211 http://127.0.0.1:44349

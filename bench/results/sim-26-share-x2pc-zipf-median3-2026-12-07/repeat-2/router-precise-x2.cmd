@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 42729 http://127.0.0.1:42509 http://127.0.0.1:35343 http://127.0.0.1:35149 http://127.0.0.1:33573

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 36871 http://127.0.0.1:34023 http://127.0.0.1:41167 http://127.0.0.1:42903 http://127.0.0.1:45023

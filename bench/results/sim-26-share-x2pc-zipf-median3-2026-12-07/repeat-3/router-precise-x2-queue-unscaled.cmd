@@ -1,0 +1,1 @@
+env INFERLB_BIN=/tmp/inferlb-nopc EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 46545 http://127.0.0.1:32867 http://127.0.0.1:33817 http://127.0.0.1:44921 http://127.0.0.1:38755

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 41577 http://127.0.0.1:34179 http://127.0.0.1:34763 http://127.0.0.1:37767 http://127.0.0.1:34183
