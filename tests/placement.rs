@@ -565,3 +565,79 @@ async fn a_router_sending_half_of_a_backends_traffic_still_measures_the_whole_fi
         "measured {measured} characters per token, the simulator counted {truth} over both clients"
     );
 }
+
+/// A prefix counts as hot from `replicate_min_prompts` (4) prompts' worth of recent traffic,
+/// in the fleet's terms: a router that sees half of its backend's traffic (a second client
+/// sends as many requests straight to the simulator) finds a prefix hot once two of its own
+/// prompts' worth came lately, as a router alone does at four. Four sends of one prompt: the
+/// fourth finds three before it, and counts in the backend's `recent_hot`. With the share
+/// ignored the threshold stays at four prompts and this fails.
+#[tokio::test]
+async fn a_router_with_half_of_a_backends_traffic_counts_a_prefix_hot_at_half_the_prompts() {
+    let sim = common::sim::start(common::sim::config("tiny-llama")).await;
+    let dir = std::env::temp_dir().join(format!("inferlb-hot-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.toml");
+    // Only the absolute gate: no relative one against the backend's mean work.
+    std::fs::write(
+        &path,
+        format!("{MEASURE}false\nroom_hot_share = 0.0\nreplicate_min_prompts = 4.0\n"),
+    )
+    .unwrap();
+    let backend = sim.url();
+    let router = common::binary::spawn_with(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--backend",
+        &backend,
+        "--poll-interval-ms",
+        "20",
+    ]);
+    let admin = || common::admin_at(&router.addr);
+    for _ in 0..200 {
+        if admin().await["backends"][0]["healthy"] == true {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let client = common::client();
+    let send = |url: String, prompt: String| {
+        let req = client
+            .post(url)
+            .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}));
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+        }
+    };
+    let through = format!("http://{}/v1/completions", router.addr);
+    let direct = format!("{backend}/v1/completions");
+    for seed in 0..20 {
+        send(through.clone(), words(seed, 1_500)).await;
+        send(direct.clone(), words(seed + 1_000, 1_500)).await;
+    }
+    let mut share = None;
+    for _ in 0..100 {
+        share = admin().await["backends"][0]["chars_per_token"]["traffic_share"].as_f64();
+        if share.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let share = share.expect("no traffic share measured within 5 s");
+    assert!((0.4..=0.6).contains(&share), "share {share}");
+    let hot = words(999, 1_500);
+    for _ in 0..4 {
+        send(through.clone(), hot.clone()).await;
+    }
+    let recent_hot = admin().await["backends"][0]["sent_tokens"]["recent_hot"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        recent_hot > 0.0,
+        "the fourth send found three prompts' worth before it, over 4 × {share}: not counted hot"
+    );
+    drop(router);
+    let _ = std::fs::remove_dir_all(&dir);
+}
