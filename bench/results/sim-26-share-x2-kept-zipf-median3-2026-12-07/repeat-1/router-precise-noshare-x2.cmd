@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 35667 http://127.0.0.1:45049 http://127.0.0.1:37759 http://127.0.0.1:46509 http://127.0.0.1:43341

@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 36277 http://127.0.0.1:41661 http://127.0.0.1:38149 http://127.0.0.1:38993 http://127.0.0.1:38721

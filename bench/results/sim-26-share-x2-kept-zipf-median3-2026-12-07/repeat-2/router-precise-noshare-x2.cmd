@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 38161 http://127.0.0.1:42125 http://127.0.0.1:33645 http://127.0.0.1:46165 http://127.0.0.1:41655

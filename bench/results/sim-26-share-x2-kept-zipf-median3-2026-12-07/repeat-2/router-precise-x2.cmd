@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 33093 http://127.0.0.1:37265 http://127.0.0.1:34093 http://127.0.0.1:39931 http://127.0.0.1:45007

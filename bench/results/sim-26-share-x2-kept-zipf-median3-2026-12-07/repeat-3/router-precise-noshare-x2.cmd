@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise-noshare.toml bench/replica_front.sh 2 44855 http://127.0.0.1:43413 http://127.0.0.1:35727 http://127.0.0.1:36749 http://127.0.0.1:33449

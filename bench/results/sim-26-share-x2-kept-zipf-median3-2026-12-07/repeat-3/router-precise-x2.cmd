@@ -1,0 +1,1 @@
+env EXTRA_CONFIG=bench/policies/precise.toml bench/replica_front.sh 2 42615 http://127.0.0.1:44075 http://127.0.0.1:39755 http://127.0.0.1:32937 http://127.0.0.1:37855
