@@ -614,14 +614,12 @@ impl PrefixCacheScorer {
 
     /// Note the candidates' mean measured traffic share, if any has one.
     fn note_fleet_share(&self, candidates: &[Candidate<'_>]) {
-        let (sum, n) = candidates
-            .iter()
-            .filter_map(|c| c.state.chars_per_token.share())
-            .fold((0.0, 0usize), |(s, n), r| (s + r, n + 1));
-        if n > 0 {
-            let mean = sum / n as f64;
-            self.fleet_share.store(mean.to_bits(), Ordering::Relaxed);
-        }
+        store_mean(
+            &self.fleet_share,
+            candidates
+                .iter()
+                .filter_map(|c| c.state.chars_per_token.share()),
+        );
     }
 
     /// Note the candidates' mean measured characters per token, if any has one (only
@@ -630,15 +628,12 @@ impl PrefixCacheScorer {
         if self.params.measure_chars_per_token != Measure::Always(true) {
             return;
         }
-        let (sum, n) = candidates
-            .iter()
-            .filter_map(|c| c.state.chars_per_token.ratio())
-            .fold((0.0, 0usize), |(s, n), r| (s + r, n + 1));
-        if n > 0 {
-            let mean = sum / n as f64;
-            self.fleet_chars_per_token
-                .store(mean.to_bits(), Ordering::Relaxed);
-        }
+        store_mean(
+            &self.fleet_chars_per_token,
+            candidates
+                .iter()
+                .filter_map(|c| c.state.chars_per_token.ratio()),
+        );
     }
 
     fn hashes(&self, request: &RequestView) -> Vec<u64> {
@@ -853,9 +848,10 @@ impl PrefixCacheScorer {
         let routed = self.routed.get(now);
         let prompts = self.routed_prompts.get(now);
         let returned = self.returned.get(now);
-        let least =
-            THRASH_MIN_PROMPTS * self.traffic_scale() * routed / prompts.max(f64::MIN_POSITIVE);
-        if routed > 0.0 && prompts > 0.0 && returned >= least {
+        if routed > 0.0
+            && prompts > 0.0
+            && returned >= THRASH_MIN_PROMPTS * self.traffic_scale() * routed / prompts
+        {
             (returned / routed).clamp(0.0, 1.0)
         } else {
             0.0
@@ -1108,6 +1104,14 @@ fn fair_and_bound(load: &[f64], slack: f64) -> (f64, f64) {
 /// Prompts' worth of returns (at the mean prompt's length) below which the fleet is not
 /// counted as thrashing.
 const THRASH_MIN_PROMPTS: f64 = 4.0;
+
+/// Store the mean of `values` in `slot` (`f64` bits); leave it as it was when there are none.
+fn store_mean(slot: &AtomicU64, values: impl Iterator<Item = f64>) {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n > 0 {
+        slot.store((sum / n as f64).to_bits(), Ordering::Relaxed);
+    }
+}
 
 /// How much less the holders over their load bound score than the copy taking their request.
 const OVERFLOW_YIELD: f64 = 0.01;

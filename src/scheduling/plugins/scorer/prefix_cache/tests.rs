@@ -645,14 +645,7 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
         backend.publish(state);
     }
     let v = view(&"x".repeat(1_200));
-    let c: Vec<Candidate<'_>> = b
-        .iter()
-        .map(|x| {
-            let mut c = Candidate::with_metrics(x, None, 0);
-            c.state = x.state();
-            c
-        })
-        .collect();
+    let c = as_published(&b);
     let on = scorer("block_size = 64\nmeasure_chars_per_token = true");
     // 16 000 tokens × 2 (× 1, × the assumed 4) characters ÷ 64.
     let sizes: Vec<u64> = b.iter().map(|x| on.capacity(x, &x.state())).collect();
