@@ -340,6 +340,58 @@ fn sample(page: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The real binary with `config` as its config file, in front of `backend` alone, polled every
+/// 20 ms; and the directory holding the file, named for `name` (remove it when done).
+fn spawn_router(
+    name: &str,
+    config: &str,
+    backend: &str,
+) -> (common::binary::Running, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("inferlb-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.toml");
+    std::fs::write(&path, config).unwrap();
+    let router = common::binary::spawn_with(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--backend",
+        backend,
+        "--poll-interval-ms",
+        "20",
+    ]);
+    (router, dir)
+}
+
+/// What `read` finds in the `/admin/backends` of the router at `addr`, asked up to `tries`
+/// times 50 ms apart (a bounded wait on the router's own report).
+async fn admin_until<T>(
+    addr: &str,
+    tries: usize,
+    read: impl Fn(&serde_json::Value) -> Option<T>,
+) -> Option<T> {
+    for i in 0..tries {
+        if let Some(found) = read(&common::admin_at(addr).await) {
+            return Some(found);
+        }
+        if i + 1 < tries {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    None
+}
+
+/// One completion of `prompt` (one token) from `url`, answered 200 and read whole.
+async fn complete(client: &reqwest::Client, url: &str, prompt: String) {
+    let resp = client
+        .post(url)
+        .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+}
+
 /// What one router (the real binary, `config` as its config file) makes of a tokenizing
 /// simulator with a 4,096-token cache (KV events published when `kv_events`) after 25 prompts
 /// of words that tokenize at under 2 characters per token: the characters per token it
@@ -371,32 +423,15 @@ async fn record_of_a_4096_token_cache(
         ..common::sim::config("tiny-llama")
     })
     .await;
-    let dir = std::env::temp_dir().join(format!("inferlb-cpt-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("config.toml");
-    std::fs::write(&path, config).unwrap();
-    let backend = sim.url();
-    let router = common::binary::spawn_with(&[
-        "--config",
-        path.to_str().unwrap(),
-        "--backend",
-        &backend,
-        "--poll-interval-ms",
-        "20",
-    ]);
+    let (router, dir) = spawn_router(&format!("cpt-{name}"), config, &sim.url());
     let admin = || common::admin_at(&router.addr);
-    // Bounded waits on the router's own report (admitted; stream live when published).
+    // Admitted; stream live when published.
     let ready = |v: &serde_json::Value| {
         let b = &v["backends"][0];
-        b["healthy"] == true && (!kv_events || b["kv_events"]["status"] == "live")
+        (b["healthy"] == true && (!kv_events || b["kv_events"]["status"] == "live")).then_some(())
     };
-    for _ in 0..200 {
-        if ready(&admin().await) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(ready(&admin().await), "not ready: {}", admin().await);
+    let admitted = admin_until(&router.addr, 201, ready).await;
+    assert!(admitted.is_some(), "not ready: {}", admin().await);
     let client = common::client();
     let url = format!("http://{}/v1/completions", router.addr);
     let direct = format!("{}/v1/completions", sim.url());
@@ -404,25 +439,14 @@ async fn record_of_a_4096_token_cache(
     let mut send = |seed: u64| {
         let prompt = words(seed, 1_500);
         sent_chars += prompt.len();
-        let req = client
-            .post(&url)
-            .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}));
         // The other client's prompt: other words, as long.
         let other = others.then(|| words(seed + 1_000, 1_500));
         sent_chars += other.as_ref().map_or(0, String::len);
-        let other = other.map(|prompt| {
-            client.post(&direct).json(
-                &serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}),
-            )
-        });
+        let (client, url, direct) = (&client, &url, &direct);
         async move {
-            let resp = req.send().await.unwrap();
-            assert_eq!(resp.status(), 200);
-            resp.bytes().await.unwrap();
+            complete(client, url, prompt).await;
             if let Some(other) = other {
-                let resp = other.send().await.unwrap();
-                assert_eq!(resp.status(), 200);
-                resp.bytes().await.unwrap();
+                complete(client, direct, other).await;
             }
         }
     };
@@ -430,15 +454,11 @@ async fn record_of_a_4096_token_cache(
         send(seed).await;
     }
     // The figure is published once the poller has read 8,192 tokens counted.
-    let mut measured = None;
-    for _ in 0..100 {
-        measured = admin().await["backends"][0]["chars_per_token"]["measured"].as_f64();
-        if measured.is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    let measured = measured.expect("no characters per token measured within 5 s");
+    let measured = admin_until(&router.addr, 100, |v| {
+        v["backends"][0]["chars_per_token"]["measured"].as_f64()
+    })
+    .await
+    .expect("no characters per token measured within 5 s");
     // One more prompt records the index at the size the router now gives it.
     send(24).await;
     let tokens = sample(
@@ -575,63 +595,33 @@ async fn a_router_sending_half_of_a_backends_traffic_still_measures_the_whole_fi
 #[tokio::test]
 async fn a_router_with_half_of_a_backends_traffic_counts_a_prefix_hot_at_half_the_prompts() {
     let sim = common::sim::start(common::sim::config("tiny-llama")).await;
-    let dir = std::env::temp_dir().join(format!("inferlb-hot-share-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("config.toml");
-    // Only the absolute gate: no relative one against the backend's mean work.
-    std::fs::write(
-        &path,
-        format!("{MEASURE}false\nroom_hot_share = 0.0\nreplicate_min_prompts = 4.0\n"),
-    )
-    .unwrap();
     let backend = sim.url();
-    let router = common::binary::spawn_with(&[
-        "--config",
-        path.to_str().unwrap(),
-        "--backend",
-        &backend,
-        "--poll-interval-ms",
-        "20",
-    ]);
-    let admin = || common::admin_at(&router.addr);
-    for _ in 0..200 {
-        if admin().await["backends"][0]["healthy"] == true {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    // Only the absolute gate: no relative one against the backend's mean work.
+    let config = format!("{MEASURE}false\nroom_hot_share = 0.0\nreplicate_min_prompts = 4.0\n");
+    let (router, dir) = spawn_router("hot-share", &config, &backend);
+    admin_until(&router.addr, 200, |v| {
+        (v["backends"][0]["healthy"] == true).then_some(())
+    })
+    .await;
     let client = common::client();
-    let send = |url: String, prompt: String| {
-        let req = client
-            .post(url)
-            .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}));
-        async move {
-            let resp = req.send().await.unwrap();
-            assert_eq!(resp.status(), 200);
-            resp.bytes().await.unwrap();
-        }
-    };
     let through = format!("http://{}/v1/completions", router.addr);
     let direct = format!("{backend}/v1/completions");
     for seed in 0..20 {
-        send(through.clone(), words(seed, 1_500)).await;
-        send(direct.clone(), words(seed + 1_000, 1_500)).await;
+        complete(&client, &through, words(seed, 1_500)).await;
+        complete(&client, &direct, words(seed + 1_000, 1_500)).await;
     }
-    let mut share = None;
-    for _ in 0..100 {
-        share = admin().await["backends"][0]["chars_per_token"]["traffic_share"].as_f64();
-        if share.is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    let share = share.expect("no traffic share measured within 5 s");
+    let share = admin_until(&router.addr, 100, |v| {
+        v["backends"][0]["chars_per_token"]["traffic_share"].as_f64()
+    })
+    .await
+    .expect("no traffic share measured within 5 s");
     assert!((0.4..=0.6).contains(&share), "share {share}");
     let hot = words(999, 1_500);
     for _ in 0..4 {
-        send(through.clone(), hot.clone()).await;
+        complete(&client, &through, hot.clone()).await;
     }
-    let recent_hot = admin().await["backends"][0]["sent_tokens"]["recent_hot"]
+    let recent_hot = common::admin_at(&router.addr).await["backends"][0]["sent_tokens"]
+        ["recent_hot"]
         .as_f64()
         .unwrap();
     assert!(
