@@ -61,7 +61,13 @@ write_nginx_proxy() {
     echo "error_log $dir/logs/error.log warn;"
     echo "events { worker_connections 8192; }"
     echo "http {"
-    echo "  access_log off;"
+    # NGINX_ACCESS_LOG=1: nginx's own default, one `combined` line per request written
+    # unbuffered to logs/access.log (the like-for-like row against inferlb's access log).
+    if [ -n "${NGINX_ACCESS_LOG:-}" ]; then
+      echo "  access_log $dir/logs/access.log combined;"
+    else
+      echo "  access_log off;"
+    fi
     echo "  upstream backends {"
     for b in "$@"; do echo "    server 127.0.0.1:$b;"; done
     echo "    keepalive 256;"

@@ -14,6 +14,9 @@
 # requests/s, each proxy's CPU per 1,000 requests: its processes' utime + stime (from
 # /proc/PID/stat, the nginx proxy's master and workers summed) over the wrk run, divided by the
 # requests wrk completed; on shared cores it is steadier than requests/s.
+# LIKE_FOR_LIKE=1 adds `inferlb-nolog` and `nginx-log` (see below): each proxy logging as the
+# other does, since the nginx row runs with `access_log off` and inferlb's default logs every
+# request.
 # Usage: bench/overhead.sh [SECONDS=10] [CONNECTIONS=64] [REPS=3] [LABEL]
 # Writes bench/results/overhead-<date>[-LABEL].md (and a .json of every run).
 set -euo pipefail
@@ -132,6 +135,24 @@ for mode in whole stream; do
     URL[inferlb-prev-$mode]="http://127.0.0.1:$P"
   fi
 
+  # LIKE_FOR_LIKE=1 adds two rows that log as the other proxy does: `inferlb-nolog` (inferlb
+  # with its access log off, as the nginx row runs) and `nginx-log` (nginx with its default
+  # access log, one line per request, as inferlb's default does).
+  if [ -n "${LIKE_FOR_LIKE:-}" ]; then
+    P=$(free_port)
+    "$LB" --listen "127.0.0.1:$P" "${FLAGS[@]}" --log-level info,inferlb::access=off \
+      >"$WORK/inferlb-nolog-$mode.log" 2>&1 &
+    PIDS+=($!)
+    CPU_PID[inferlb-nolog-$mode]=$!
+    URL[inferlb-nolog-$mode]="http://127.0.0.1:$P"
+    P=$(free_port)
+    NGINX_ACCESS_LOG=1 write_nginx_proxy "$WORK/proxy-log-$mode" "$P" "$NPROC" "${PORTS[@]}"
+    "$NGINX" -p "$WORK/proxy-log-$mode" -c "$WORK/proxy-log-$mode/nginx.conf" -g 'daemon off;' &
+    PIDS+=($!)
+    CPU_PID[nginx-log-$mode]=$!
+    URL[nginx-log-$mode]="http://127.0.0.1:$P"
+  fi
+
   # The floor is a non-streaming reference only: streamed through it, 100 chunks took 40 ms
   # (p50) and 9 x nginx's CPU, a defect of the example, not of hyper (inferlb streams at par).
   if [ "$mode" = whole ] && [ -z "${NO_FLOOR:-}" ] && [ -x "$FLOOR" ]; then
@@ -175,6 +196,7 @@ done
 ROWS=(direct nginx inferlb)
 [ -n "${URL[inferlb-prev-whole]:-}" ] && ROWS+=(inferlb-prev)
 [ -n "${URL[hyper-floor-whole]:-}" ] && ROWS+=(hyper-floor)
+[ -n "${URL[inferlb-nolog-whole]:-}" ] && ROWS+=(inferlb-nolog nginx-log)
 # NO_EXTERNAL=1 leaves SGLang's and vLLM's routers out (quicker A/B runs of inferlb).
 if [ -z "${NO_EXTERNAL:-}" ]; then
   [ -n "${URL[sglang-whole]:-}" ] && ROWS+=(sglang)

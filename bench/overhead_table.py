@@ -121,6 +121,13 @@ for mode, title in (("whole", "Non-streaming"), ("stream", "Streaming (100 SSE c
                  f"p99 {i['p99_ratio']:.2f} × nginx's; "
                  f"CPU per 1,000 requests {i['cpu_ratio']:.2f} × nginx's"
                  + (f" (target ≤ 1.5) → {'met' if i['cpu_ratio'] <= 1.5 else 'NOT met'}" if mode == "whole" else "") + "\n")
+    if f"nginx-log-{mode}" in summary and f"inferlb-nolog-{mode}" in summary:
+        def paired(a, b, key):
+            xs = [runs[(a, mode, k)][key] / runs[(b, mode, k)][key] for k in range(1, reps + 1) if runs[(b, mode, k)][key] > 0]
+            return f"{med(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})" if xs else "nan"
+        lines.append(f"- like for like, both logging every request: inferlb / nginx-log throughput {paired('inferlb', 'nginx-log', 'rps')}, "
+                     f"CPU per 1,000 requests {paired('inferlb', 'nginx-log', 'cpu')}; "
+                     f"neither logging: inferlb-nolog / nginx throughput {paired('inferlb-nolog', 'nginx', 'rps')}, CPU {paired('inferlb-nolog', 'nginx', 'cpu')}\n")
     lines.append("The medians are of each figure separately; ratios are per repetition (same minute), then their median.\n")
 open(out, "w").write("\n".join(lines) + "\n")
 json.dump({"summary": summary, "runs": {"/".join(map(str, k)): {kk: vv for kk, vv in v.items() if kk != "raw"} for k, v in runs.items()}},
