@@ -129,8 +129,10 @@ pub struct GuardedBody {
     limits: BodyLimits,
     /// Fires every idle period; a frame since the last firing means the stream is alive.
     /// Re-arming lazily (not on every frame) keeps per-chunk cost to a flag write, at the price
-    /// of cutting a silent stream after between one and two idle periods.
-    timer: Pin<Box<Sleep>>,
+    /// of cutting a silent stream after between one and two idle periods. Made the first time
+    /// the backend has nothing to give: a body that arrived with its head (most non-streaming
+    /// answers) never needs one, and skips its allocation and clock read.
+    timer: Option<Pin<Box<Sleep>>>,
     active: bool,
     /// Set once the final error event has been sent; the next poll ends the stream.
     closed: bool,
@@ -147,7 +149,6 @@ impl GuardedBody {
         sse: Option<SseEnd>,
         limits: BodyLimits,
     ) -> Self {
-        let timer = Box::pin(tokio::time::sleep_until(next_wake(&limits)));
         let mut body = GuardedBody {
             inner,
             lease,
@@ -162,7 +163,7 @@ impl GuardedBody {
             tail: [0; TAIL],
             tail_len: 0,
             limits,
-            timer,
+            timer: None,
             active: false,
             closed: false,
             discarded: Discard::default(),
@@ -361,7 +362,12 @@ impl Body for GuardedBody {
                 this.settle();
                 Poll::Ready(None)
             }
-            Poll::Pending => match this.timer.as_mut().poll(cx) {
+            Poll::Pending => match this
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(next_wake(&this.limits))))
+                .as_mut()
+                .poll(cx)
+            {
                 Poll::Ready(()) => {
                     let past_deadline = this.limits.deadline.is_some_and(|d| Instant::now() >= d);
                     if this.active && !past_deadline {
@@ -369,9 +375,11 @@ impl Body for GuardedBody {
                         // (polling registers the new wake-up) and keep waiting.
                         this.active = false;
                         let next = next_wake(&this.limits);
-                        this.timer.as_mut().reset(next);
-                        if this.timer.as_mut().poll(cx).is_pending() {
-                            return Poll::Pending;
+                        if let Some(timer) = this.timer.as_mut() {
+                            timer.as_mut().reset(next);
+                            if timer.as_mut().poll(cx).is_pending() {
+                                return Poll::Pending;
+                            }
                         }
                     }
                     let reason = if past_deadline {
