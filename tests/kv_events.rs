@@ -428,3 +428,98 @@ async fn a_prefix_missing_from_a_cache_that_evicted_nothing_has_not_come_back() 
     assert_eq!(sample_at(&addr, "inferlb_prefix_returns_total").await, 1.0);
     stop(r);
 }
+
+/// On a live pair whose prefix index has room for far more than is sent (its ghost of
+/// evictions never speaks, as when the router's record of a cache is larger than the cache):
+/// `n` distinct 4-block prompts are routed once each, and the backend each went to reports it
+/// stored, then evicted. Returns the pair and the prompts; every one of them is then held
+/// nowhere, and each came back if routed again.
+async fn sent_then_evicted(name: &str, n: u32) -> (Pair, Vec<Vec<u32>>) {
+    let mut pair = live_pair(
+        name,
+        "[[plugins]]\ntype = \"prefix-cache-scorer\"\n[plugins.parameters]\ninflight_ms = 1\n\
+         capacity = 100000\n",
+    )
+    .await;
+    let addr = pair.r.addr.clone();
+    let a = pair.a.url();
+    let mut removed_on = [0u64; 2];
+    let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(20 + i, 4)).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let x = route(&addr, p).await;
+        let (publisher, on) = if x == a {
+            (&mut pair.pa, 0)
+        } else {
+            (&mut pair.pb, 1)
+        };
+        let base = 10_000 * (i as u64 + 1);
+        publisher.send(&[stored(base, None, p)]).await;
+        publisher
+            .send(&[removed(&[base, base + 1, base + 2, base + 3])])
+            .await;
+        removed_on[on] += 4;
+    }
+    for (url, removed) in [(a, removed_on[0]), (pair.b.url(), removed_on[1])] {
+        until_kv(&addr, &url, |k| {
+            k["blocks"] == 1
+                && k["blocks_removed"] == removed
+                && k["in_flight_blocks"] == 0
+                && k["status"] == "live"
+        })
+        .await;
+    }
+    (pair, prompts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_a_live_backend_reports_evicted_count_as_thrash_when_they_come_back() {
+    // Six prompts, each stored then evicted by its backend as its events report, routed again:
+    // each comes back whole (the router sent it all, nobody holds any of it), which only the
+    // events can tell (the index still records each where it went). Half the recent prompt
+    // tokens came back: the thrash the placement gate reads is 0.5. With the live-events
+    // return skipped the router counts no return and no thrash.
+    let (pair, prompts) = sent_then_evicted("thrash-precise", 6).await;
+    let addr = pair.r.addr.clone();
+    for p in &prompts {
+        route(&addr, p).await;
+    }
+    let thrash = sample_at(&addr, "inferlb_prefix_thrash_ratio").await;
+    assert!(
+        (0.45..=0.55).contains(&thrash),
+        "six of twelve equal prompts came back: thrash {thrash}"
+    );
+    assert_eq!(
+        sample_at(&addr, "inferlb_prefix_returns_total").await,
+        6.0,
+        "each evicted prompt routed again came back"
+    );
+    stop(pair.r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fewer_than_four_prompts_worth_of_returns_is_not_thrash() {
+    // Three of six evicted prompts come back: three prompts' worth of returns, a quarter of the
+    // recent prompt tokens, under the four prompts' worth the thrash count starts from: no
+    // thrash (with the minimum at 0 this reads 0.33). Two more make five: thrash.
+    let (pair, prompts) = sent_then_evicted("thrash-min", 6).await;
+    let addr = pair.r.addr.clone();
+    for p in &prompts[..3] {
+        route(&addr, p).await;
+    }
+    assert_eq!(sample_at(&addr, "inferlb_prefix_returns_total").await, 3.0);
+    assert_eq!(
+        sample_at(&addr, "inferlb_prefix_thrash_ratio").await,
+        0.0,
+        "three prompts' worth of returns is not thrash yet"
+    );
+    for p in &prompts[3..5] {
+        route(&addr, p).await;
+    }
+    assert_eq!(sample_at(&addr, "inferlb_prefix_returns_total").await, 5.0);
+    let thrash = sample_at(&addr, "inferlb_prefix_thrash_ratio").await;
+    assert!(
+        (0.4..=0.5).contains(&thrash),
+        "five prompts' worth of returns of eleven prompts: thrash {thrash}"
+    );
+    stop(pair.r);
+}

@@ -340,25 +340,23 @@ fn sample(page: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// The real binary with `config` as its config file, in front of `backend` alone, polled every
+/// The real binary with `config` as its config file, in front of `backends`, polled every
 /// 20 ms; and the directory holding the file, named for `name` (remove it when done).
 fn spawn_router(
     name: &str,
     config: &str,
-    backend: &str,
+    backends: &[&str],
 ) -> (common::binary::Running, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("inferlb-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("config.toml");
     std::fs::write(&path, config).unwrap();
-    let router = common::binary::spawn_with(&[
-        "--config",
-        path.to_str().unwrap(),
-        "--backend",
-        backend,
-        "--poll-interval-ms",
-        "20",
-    ]);
+    let mut args = vec!["--config", path.to_str().unwrap()];
+    for backend in backends {
+        args.extend(["--backend", backend]);
+    }
+    args.extend(["--poll-interval-ms", "20"]);
+    let router = common::binary::spawn_with(&args);
     (router, dir)
 }
 
@@ -423,7 +421,7 @@ async fn record_of_a_4096_token_cache(
         ..common::sim::config("tiny-llama")
     })
     .await;
-    let (router, dir) = spawn_router(&format!("cpt-{name}"), config, &sim.url());
+    let (router, dir) = spawn_router(&format!("cpt-{name}"), config, &[&sim.url()]);
     let admin = || common::admin_at(&router.addr);
     // Admitted; stream live when published.
     let ready = |v: &serde_json::Value| {
@@ -598,7 +596,7 @@ async fn a_router_with_half_of_a_backends_traffic_counts_a_prefix_hot_at_half_th
     let backend = sim.url();
     // Only the absolute gate: no relative one against the backend's mean work.
     let config = format!("{MEASURE}false\nroom_hot_share = 0.0\nreplicate_min_prompts = 4.0\n");
-    let (router, dir) = spawn_router("hot-share", &config, &backend);
+    let (router, dir) = spawn_router("hot-share", &config, &[&backend]);
     admin_until(&router.addr, 200, |v| {
         (v["backends"][0]["healthy"] == true).then_some(())
     })
@@ -627,6 +625,122 @@ async fn a_router_with_half_of_a_backends_traffic_counts_a_prefix_hot_at_half_th
     assert!(
         recent_hot > 0.0,
         "the fourth send found three prompts' worth before it, over 4 × {share}: not counted hot"
+    );
+    drop(router);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One completion of `prompt` (one token) from the router at `addr`, with its decision
+/// explained: the backend that answered, and each candidate's prefix-cache-scorer score by URL.
+async fn complete_explained(
+    client: &reqwest::Client,
+    addr: &str,
+    prompt: String,
+) -> (String, std::collections::BTreeMap<String, f64>) {
+    let resp = client
+        .post(format!("http://{addr}/v1/completions"))
+        .header("x-inferlb-explain", "1")
+        .json(&serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let backend = resp.headers()["x-inferlb-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let summary = resp.headers()["x-inferlb-decision"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    resp.bytes().await.unwrap();
+    let scores = summary
+        .split("; ")
+        .filter_map(|part| {
+            let (url, rest) = part.split_once(" total=")?;
+            let score = rest
+                .split(' ')
+                .find_map(|kv| kv.strip_prefix("prefix-cache-scorer="))?;
+            Some((url.to_owned(), score.parse().unwrap()))
+        })
+        .collect();
+    (backend, scores)
+}
+
+/// Hot-prefix replication waits for `replicate_min_prompts` (4) prompts' worth of a prefix's
+/// recent traffic, in the fleet's terms: a router that sees half of each backend's traffic
+/// (another client sends each backend one request beside each of the router's) offers a hot
+/// prefix a second holder once two of its own prompts' worth came lately, as a router alone
+/// does at four. One prompt sent four times, its holder over its load bound from the first:
+/// the second send (one prompt's worth before it) leaves the other backend scoring 0, the
+/// fourth (three) scores it as the holder (a replica, or a holder already if the third made
+/// it one). With the share ignored the threshold stays at four prompts and this fails.
+#[tokio::test]
+async fn a_router_with_half_of_each_backends_traffic_replicates_a_hot_prefix_at_half_the_prompts() {
+    let sims = [
+        common::sim::start(common::sim::config("tiny-llama")).await,
+        common::sim::start(common::sim::config("tiny-llama")).await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let config = format!(
+        "[admin]\nexplain = true\n\n{MEASURE}false\nreplicate_share = 0.5\n\
+         replicate_min_prompts = 4.0\n"
+    );
+    let (router, dir) = spawn_router("replicate-share", &config, &[&urls[0], &urls[1]]);
+    let healthy = admin_until(&router.addr, 200, |v| {
+        let list = v["backends"].as_array()?;
+        (list.len() == 2 && list.iter().all(|b| b["healthy"] == true)).then_some(())
+    })
+    .await;
+    assert!(
+        healthy.is_some(),
+        "{}",
+        common::admin_at(&router.addr).await
+    );
+    let client = common::client();
+    // Prompts shorter than a block (no prefix, one token each): the share is measured while
+    // the backends' recent work stays next to nothing beside the hot prompt's.
+    for seed in 0..48 {
+        let (backend, _) = complete_explained(&client, &router.addr, format!("w{seed}")).await;
+        complete(
+            &client,
+            &format!("{backend}/v1/completions"),
+            format!("v{seed}"),
+        )
+        .await;
+    }
+    let shares = admin_until(&router.addr, 100, |v| {
+        v["backends"]
+            .as_array()?
+            .iter()
+            .map(|b| b["chars_per_token"]["traffic_share"].as_f64())
+            .collect::<Option<Vec<f64>>>()
+            .filter(|s| s.len() == 2)
+    })
+    .await
+    .expect("no traffic share measured on both backends within 5 s");
+    assert!(
+        shares.iter().all(|s| (0.4..=0.6).contains(s)),
+        "shares {shares:?}"
+    );
+    let hot = words(999, 1_500);
+    let (holder, _) = complete_explained(&client, &router.addr, hot.clone()).await;
+    let (_, second) = complete_explained(&client, &router.addr, hot.clone()).await;
+    let other = second
+        .keys()
+        .find(|url| **url != holder)
+        .expect("two candidates")
+        .clone();
+    assert!(
+        second[&other] < second[&holder],
+        "one prompt's worth before it, under 4 × {shares:?}: no replica yet: {second:?}"
+    );
+    complete_explained(&client, &router.addr, hot.clone()).await;
+    let (_, fourth) = complete_explained(&client, &router.addr, hot).await;
+    assert!(
+        fourth[&holder] > 0.0 && fourth[&other] == fourth[&holder],
+        "three prompts' worth before it, over 4 × {shares:?}: the other backend is offered \
+         as a replica: {fourth:?}"
     );
     drop(router);
     let _ = std::fs::remove_dir_all(&dir);
