@@ -390,6 +390,31 @@ where
     }
 
     fn call(&mut self, request: ProxyRequest) -> Self::Future {
+        self.start(request)
+    }
+}
+
+impl SchedulerService<crate::forward::Forwarder> {
+    /// Schedule and forward `request`: [`Service::call`] without a clone of the service or a
+    /// readiness wait around it (the forwarder is always ready, and the future takes its own
+    /// clones), which the front door pays on every request otherwise.
+    pub fn send(
+        &self,
+        request: ProxyRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<Body>, Error>> + Send>> {
+        self.start(request)
+    }
+}
+
+impl<S> SchedulerService<S>
+where
+    S: Service<Dispatch, Response = Response<Body>, Error = Error> + Clone + Send + 'static,
+    S::Future: Send,
+{
+    fn start(
+        &self,
+        request: ProxyRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<Body>, Error>> + Send>> {
         let inner = self.inner.clone();
         let s = Arc::clone(&self.shared);
         Box::pin(async move {
