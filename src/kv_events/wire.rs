@@ -184,6 +184,15 @@ fn token_value(w: u64, m: u64) -> u32 {
     ((w >> SHIFT[kind]) & MASK[kind]) as u32
 }
 
+/// The id that starts the big-endian word `w`: its top 8 bytes (for [`token_value`]), its
+/// marker and its length in bytes (both meaningful only when [`is_token_marker`] holds).
+#[inline(always)]
+fn token_at(w: u128) -> (u64, u64, u64) {
+    let head = (w >> 64) as u64;
+    let m = head >> 56;
+    (head, m, token_len(m))
+}
+
 struct Cursor<'a> {
     buf: &'a [u8],
 }
@@ -391,16 +400,10 @@ impl<'a> Cursor<'a> {
                 // marker and its 4 bytes sit inside the word whatever the first two are.
                 if let Some(word) = buf.first_chunk::<16>() {
                     let w = u128::from_be_bytes(*word);
-                    let first = (w >> 64) as u64;
-                    let m1 = first >> 56;
-                    let l1 = token_len(m1);
+                    let (first, m1, l1) = token_at(w);
                     let w = w << (8 * l1);
-                    let second = (w >> 64) as u64;
-                    let m2 = second >> 56;
-                    let l2 = token_len(m2);
-                    let third = ((w << (8 * l2)) >> 64) as u64;
-                    let m3 = third >> 56;
-                    let l3 = token_len(m3);
+                    let (second, m2, l2) = token_at(w);
+                    let (third, m3, l3) = token_at(w << (8 * l2));
                     if is_token_marker(m1) & is_token_marker(m2) & is_token_marker(m3) {
                         out.extend_from_slice(&[
                             token_value(first, m1),
@@ -416,12 +419,8 @@ impl<'a> Cursor<'a> {
             if left >= 2 {
                 if let Some(word) = buf.first_chunk::<16>() {
                     let w = u128::from_be_bytes(*word);
-                    let first = (w >> 64) as u64;
-                    let m1 = first >> 56;
-                    let l1 = token_len(m1);
-                    let second = ((w << (8 * l1)) >> 64) as u64;
-                    let m2 = second >> 56;
-                    let l2 = token_len(m2);
+                    let (first, m1, l1) = token_at(w);
+                    let (second, m2, l2) = token_at(w << (8 * l1));
                     if is_token_marker(m1) & is_token_marker(m2) {
                         out.push(token_value(first, m1));
                         out.push(token_value(second, m2));
