@@ -347,17 +347,12 @@ fn spawn_router(
     config: &str,
     backends: &[&str],
 ) -> (common::binary::Running, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("inferlb-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("config.toml");
-    std::fs::write(&path, config).unwrap();
-    let mut args = vec!["--config", path.to_str().unwrap()];
+    let mut args = Vec::new();
     for backend in backends {
         args.extend(["--backend", backend]);
     }
     args.extend(["--poll-interval-ms", "20"]);
-    let router = common::binary::spawn_with(&args);
-    (router, dir)
+    common::binary::spawn_with_config(name, config, &args)
 }
 
 /// What `read` finds in the `/admin/backends` of the router at `addr`, asked up to `tries`

@@ -9,7 +9,6 @@ mod common;
 
 use std::time::Duration;
 
-use common::binary::spawn_with;
 use serde_json::{json, Value};
 use vllm_sim::SimConfig;
 
@@ -86,13 +85,7 @@ fn tokenizing_router(
     backend: &str,
     extra: &[&str],
 ) -> (common::binary::Running, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("inferlb-tok-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("config.toml");
-    std::fs::write(&cfg, config).unwrap();
     let mut args = vec![
-        "--config",
-        cfg.to_str().unwrap(),
         "--backend",
         backend,
         "--tokenizer",
@@ -101,7 +94,7 @@ fn tokenizing_router(
         "100",
     ];
     args.extend_from_slice(extra);
-    (spawn_with(&args), dir)
+    common::binary::spawn_with_config(&format!("tok-{tag}"), config, &args)
 }
 
 /// Without any live KV-event stream the ids would be read by nobody: the front door skips

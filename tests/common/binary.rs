@@ -63,6 +63,19 @@ impl Running {
     }
 }
 
+/// Start the binary with `config` as its config file, then `args`: the file is `config.toml`
+/// in a directory of its own named for `name` (the caller removes it when done, from the path
+/// returned).
+pub fn spawn_with_config(name: &str, config: &str, args: &[&str]) -> (Running, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("inferlb-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut all = vec!["--config", path.to_str().unwrap()];
+    all.extend_from_slice(args);
+    (spawn_with(&all), dir)
+}
+
 /// Start the binary with `args` on a free port; returns once it announced its address.
 pub fn spawn_with(args: &[&str]) -> Running {
     let mut child = Command::new(BIN)
