@@ -86,9 +86,12 @@ def main():
             inferlb_bin = args[i + 1]
         elif a.startswith("--inferlb-bin="):
             inferlb_bin = a.split("=", 1)[1]
+    # Policies run from binaries of their own (`--policy-bin NAME=BIN`, an older build).
+    own_bins = [args[i + 1].split("=", 1)[1] for i, a in enumerate(args)
+                if a == "--policy-bin" and i + 1 < len(args) and "=" in args[i + 1]]
     if build:
         subprocess.run(["cargo", "build", "--release", "-p", "loadgen", "-p", "inferlb"], check=True)
-    header, stale = provenance.facts([LOADGEN, inferlb_bin])
+    header, stale = provenance.facts([LOADGEN, inferlb_bin, *own_bins])
     if stale:
         sys.exit(f"compare_repeat.py: refusing to measure stale or missing binaries: {', '.join(stale)} "
                  "(run without --no-build, or build them)")

@@ -271,6 +271,10 @@ struct CompareArgs {
     /// NAME=path.toml: an inferlb config fragment ([[plugins]], [[scheduling_profiles]], …).
     #[arg(long = "policy-file", value_name = "NAME=PATH")]
     policy_files: Vec<String>,
+    /// NAME=path: run the inferlb policy NAME (built-in or `--policy-file`) from this binary
+    /// instead of `--inferlb-bin`, e.g. a build of an older commit beside today's in one run.
+    #[arg(long = "policy-bin", value_name = "NAME=BIN")]
+    policy_bins: Vec<String>,
     /// NAME=command with {port}, {workers} and {metrics_port} placeholders: any router
     /// (repeatable); ready when its /health or /v1/models answers 200.
     #[arg(long = "router-cmd", value_name = "NAME=CMD")]
@@ -384,7 +388,25 @@ fn policies(a: &CompareArgs) -> Result<Vec<Policy>, String> {
         out.push(Policy::Inferlb {
             name: name.into(),
             fragment,
+            bin: None,
         });
+    }
+    for spec in &a.policy_bins {
+        let (name, path) = spec
+            .split_once('=')
+            .ok_or_else(|| format!("--policy-bin wants NAME=BIN, got {spec:?}"))?;
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            return Err(format!("--policy-bin {name}: {} not found", path.display()));
+        }
+        let own = out
+            .iter_mut()
+            .find_map(|p| match p {
+                Policy::Inferlb { name: n, bin, .. } if n == name => Some(bin),
+                _ => None,
+            })
+            .ok_or_else(|| format!("--policy-bin {name}: no inferlb policy of that name"))?;
+        *own = Some(path);
     }
     for spec in &a.router_cmds {
         let (name, command) = spec
@@ -589,7 +611,7 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         && cfg
             .policies
             .iter()
-            .any(|p| matches!(p, Policy::Inferlb { .. }))
+            .any(|p| matches!(p, Policy::Inferlb { bin: None, .. }))
     {
         return Err(format!(
             "{} not found: build it with `cargo build --release -p inferlb` or pass --inferlb-bin",
@@ -601,9 +623,14 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
     if cfg
         .policies
         .iter()
-        .any(|p| matches!(p, Policy::Inferlb { .. }))
+        .any(|p| matches!(p, Policy::Inferlb { bin: None, .. }))
     {
         binaries.push(a.inferlb_bin.clone());
+    }
+    for p in &cfg.policies {
+        if let Policy::Inferlb { bin: Some(b), .. } = p {
+            binaries.push(b.clone());
+        }
     }
     let provenance = machine::provenance(&binaries, &a.notes);
     let out = compare::compare(cfg).await.map_err(|e| e.to_string())?;

@@ -14,7 +14,13 @@ use tokio::process::{Child, Command};
 #[derive(Debug, Clone)]
 pub enum Policy {
     /// inferlb with this TOML fragment merged into the generated config (empty = default).
-    Inferlb { name: String, fragment: String },
+    /// `bin`, when set, is this policy's own inferlb binary (an older build, for an A/B of
+    /// two builds in one run); it is always started as a subprocess, whatever the launcher.
+    Inferlb {
+        name: String,
+        fragment: String,
+        bin: Option<PathBuf>,
+    },
     /// An arbitrary command with `{port}`, `{workers}` (space-separated backend URLs) and
     /// `{metrics_port}` (another free port, for a router's own Prometheus listener).
     Command { name: String, command: String },
@@ -74,6 +80,7 @@ pub fn builtin(name: &str) -> Option<Policy> {
     Some(Policy::Inferlb {
         name: name.into(),
         fragment,
+        bin: None,
     })
 }
 
@@ -205,7 +212,14 @@ pub async fn start(
     let name = policy.name().to_owned();
     let log_path = log_dir.join(format!("router-{}.log", sanitize(&name)));
     match (policy, launcher) {
-        (Policy::Inferlb { fragment, .. }, Launcher::InProcess(start)) => {
+        (
+            Policy::Inferlb {
+                fragment,
+                bin: None,
+                ..
+            },
+            Launcher::InProcess(start),
+        ) => {
             let text = inferlb_config(workers, roles, 0, fragment, &name)?;
             let r = start(text)
                 .await
@@ -222,7 +236,22 @@ pub async fn start(
             wait_ready(&mut router, &["/ready"], ready_timeout, &log_path).await?;
             Ok(router)
         }
-        (Policy::Inferlb { fragment, .. }, Launcher::Binary(bin)) => {
+        (
+            Policy::Inferlb {
+                fragment,
+                bin: Some(bin),
+                ..
+            },
+            _,
+        )
+        | (
+            Policy::Inferlb {
+                fragment,
+                bin: None,
+                ..
+            },
+            Launcher::Binary(bin),
+        ) => {
             let port = free_port()?;
             let text = inferlb_config(workers, roles, port, fragment, &name)?;
             let cfg_path = log_dir.join(format!("inferlb-{}.toml", sanitize(&name)));
@@ -428,5 +457,38 @@ mod tests {
         assert_eq!(t["poller"]["interval_ms"].as_integer(), Some(50));
         assert_eq!(t["poller"]["stale_after_ms"].as_integer(), Some(300));
         assert!(inferlb_config(&workers, &[], 9, "not toml [", "x").is_err());
+    }
+
+    /// A policy with its own binary is started from that binary, even where the run's other
+    /// inferlb policies are in-process: a missing one fails to spawn, naming the policy.
+    #[tokio::test]
+    async fn a_policy_with_its_own_binary_is_spawned_from_it() {
+        let dir = std::env::temp_dir().join(format!("loadgen-own-bin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let policy = Policy::Inferlb {
+            name: "old".into(),
+            fragment: String::new(),
+            bin: Some(dir.join("no-such-inferlb")),
+        };
+        let never: InProcessStart =
+            Arc::new(|_| Box::pin(async { Err("in-process launcher used".to_string()) }));
+        let workers = ["http://127.0.0.1:1".to_string()];
+        let err = start(
+            &policy,
+            &Launcher::InProcess(never),
+            &workers,
+            &[],
+            &dir,
+            Duration::from_secs(1),
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(
+            matches!(&err, RouterError::Spawn { name, .. } if name == "old"),
+            "{err}"
+        );
+        assert!(dir.join("inferlb-old.toml").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -492,6 +492,7 @@ async fn compare_runs_a_disaggregated_layout_and_reports_goodput() {
         Policy::Inferlb {
             name: "1p2d".into(),
             fragment: "[pd]\nenabled = true\nthreshold_tokens = 64\n".into(),
+            bin: None,
         },
     ];
     let cfg = CompareConfig {
