@@ -91,7 +91,11 @@ def main():
                 if a == "--policy-bin" and i + 1 < len(args) and "=" in args[i + 1]]
     if build:
         subprocess.run(["cargo", "build", "--release", "-p", "loadgen", "-p", "inferlb"], check=True)
-    header, stale = provenance.facts([LOADGEN, inferlb_bin, *own_bins])
+    # A policy's own binary is another commit's build: named, not checked against these sources.
+    notes = [f"policy binary `{b}` (--policy-bin) built "
+             f"{provenance.utc(os.path.getmtime(b)) if os.path.exists(b) else 'missing'}, "
+             "not checked against these sources" for b in dict.fromkeys(own_bins)]
+    header, stale = provenance.facts([LOADGEN, inferlb_bin], notes)
     if stale:
         sys.exit(f"compare_repeat.py: refusing to measure stale or missing binaries: {', '.join(stale)} "
                  "(run without --no-build, or build them)")

@@ -112,6 +112,11 @@ fn git(args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
 }
 
+/// When `path` was last written, as a UTC stamp (`None` when it cannot be read).
+pub fn built_at(path: &Path) -> Option<String> {
+    mtime(path).map(utc_stamp)
+}
+
 fn mtime(path: &Path) -> Option<u64> {
     let t = std::fs::metadata(path).ok()?.modified().ok()?;
     t.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs())

@@ -627,12 +627,24 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
     {
         binaries.push(a.inferlb_bin.clone());
     }
+    // A policy's own binary is another build (an older commit): named, not checked against
+    // these sources, whose newer edits would call it stale.
+    let mut notes = a.notes.clone();
     for p in &cfg.policies {
-        if let Policy::Inferlb { bin: Some(b), .. } = p {
-            binaries.push(b.clone());
+        if let Policy::Inferlb {
+            name,
+            bin: Some(b),
+            ..
+        } = p
+        {
+            notes.push(format!(
+                "policy {name} runs `{}` (built {}), not checked against these sources",
+                b.display(),
+                machine::built_at(b).unwrap_or_else(|| "at an unknown time".into())
+            ));
         }
     }
-    let provenance = machine::provenance(&binaries, &a.notes);
+    let provenance = machine::provenance(&binaries, &notes);
     let out = compare::compare(cfg).await.map_err(|e| e.to_string())?;
     let table = out.table();
     println!("{table}");
