@@ -632,9 +632,7 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
     let mut notes = a.notes.clone();
     for p in &cfg.policies {
         if let Policy::Inferlb {
-            name,
-            bin: Some(b),
-            ..
+            name, bin: Some(b), ..
         } = p
         {
             notes.push(format!(
