@@ -33,12 +33,18 @@ pub async fn accept_loop(
     let addr = listener.local_addr()?;
     let mut listener = Some(listener);
     let mut refuse = faults.refuse_watch();
+    // Each connection watches a clone of this receiver, which is marked seen only when the
+    // port opens again: a connection taken in the same moment as a kill (accepted after the
+    // kill was sent) starts with the kill unseen and is dropped with the others. A receiver
+    // subscribed at accept time would have taken that kill as already seen and lived on.
+    let mut kill = faults.kill_watch();
     let (stop_tx, stop_rx) = watch::channel(false);
     faults.set_listening(true);
     tokio::pin!(shutdown);
     loop {
         let want_open = !*refuse.borrow_and_update();
         if want_open && listener.is_none() {
+            kill.borrow_and_update();
             listener = rebind(addr).await;
             faults.set_listening(listener.is_some());
         } else if !want_open && listener.is_some() {
@@ -53,7 +59,7 @@ pub async fn accept_loop(
                 }
             }
             accepted = accept(listener.as_ref()) => match accepted {
-                Ok((stream, _)) => spawn_connection(stream, app.clone(), &faults, stop_rx.clone()),
+                Ok((stream, _)) => spawn_connection(stream, app.clone(), kill.clone(), stop_rx.clone()),
                 Err(e) => {
                     // EMFILE and friends: back off briefly instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
@@ -91,11 +97,10 @@ async fn rebind(addr: SocketAddr) -> Option<TcpListener> {
 fn spawn_connection(
     stream: TcpStream,
     app: Router,
-    faults: &Faults,
+    mut kill: watch::Receiver<u64>,
     mut stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let mut kill = faults.kill_watch();
     tokio::spawn(async move {
         let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
             let mut app = app.clone();
