@@ -282,6 +282,7 @@ impl Faults {
 
     /// Closes the listener (connects are refused) and drops every open connection.
     pub fn refuse_connections(&self) {
+        // Refusal first, kill second: the accept loop relies on this order (server.rs).
         self.inner.refuse.send_replace(true);
         self.inner.kill.send_modify(|k| *k += 1);
     }

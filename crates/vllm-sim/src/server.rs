@@ -33,18 +33,12 @@ pub async fn accept_loop(
     let addr = listener.local_addr()?;
     let mut listener = Some(listener);
     let mut refuse = faults.refuse_watch();
-    // Each connection watches a clone of this receiver, which is marked seen only when the
-    // port opens again: a connection taken in the same moment as a kill (accepted after the
-    // kill was sent) starts with the kill unseen and is dropped with the others. A receiver
-    // subscribed at accept time would have taken that kill as already seen and lived on.
-    let mut kill = faults.kill_watch();
     let (stop_tx, stop_rx) = watch::channel(false);
     faults.set_listening(true);
     tokio::pin!(shutdown);
     loop {
         let want_open = !*refuse.borrow_and_update();
         if want_open && listener.is_none() {
-            kill.borrow_and_update();
             listener = rebind(addr).await;
             faults.set_listening(listener.is_some());
         } else if !want_open && listener.is_some() {
@@ -59,7 +53,17 @@ pub async fn accept_loop(
                 }
             }
             accepted = accept(listener.as_ref()) => match accepted {
-                Ok((stream, _)) => spawn_connection(stream, app.clone(), kill.clone(), stop_rx.clone()),
+                Ok((stream, _)) => {
+                    // Subscribe to kills before reading the refusal: `refuse_connections`
+                    // sets the refusal first and kills second, so a connection accepted as the
+                    // port closes either finds the refusal here and is dropped, or was
+                    // subscribed before the kill and sees it. (Subscribed alone, one accepted
+                    // just after the kill took it for already seen and stayed open.)
+                    let kill = faults.kill_watch();
+                    if !*refuse.borrow() {
+                        spawn_connection(stream, app.clone(), kill, stop_rx.clone());
+                    }
+                }
                 Err(e) => {
                     // EMFILE and friends: back off briefly instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
