@@ -81,14 +81,17 @@ def main():
     out_md = argv[1]
     args = argv[2:]
     inferlb_bin = "target/release/inferlb"
+    own_bins = []  # policies run from binaries of their own (`--policy-bin NAME=BIN`, an older build)
     for i, a in enumerate(args):
-        if a == "--inferlb-bin" and i + 1 < len(args):
-            inferlb_bin = args[i + 1]
+        value = args[i + 1] if i + 1 < len(args) else ""
+        if a == "--inferlb-bin" and value:
+            inferlb_bin = value
         elif a.startswith("--inferlb-bin="):
             inferlb_bin = a.split("=", 1)[1]
-    # Policies run from binaries of their own (`--policy-bin NAME=BIN`, an older build).
-    own_bins = [args[i + 1].split("=", 1)[1] for i, a in enumerate(args)
-                if a == "--policy-bin" and i + 1 < len(args) and "=" in args[i + 1]]
+        elif a == "--policy-bin" and "=" in value:
+            own_bins.append(value.split("=", 1)[1])
+        elif a.startswith("--policy-bin=") and a.count("=") >= 2:
+            own_bins.append(a.split("=", 2)[2])
     if build:
         subprocess.run(["cargo", "build", "--release", "-p", "loadgen", "-p", "inferlb"], check=True)
     # A policy's own binary is another commit's build: named, not checked against these sources.

@@ -79,23 +79,6 @@ def bound(url, requests_path):
     return reachable(prompts) / total if total else 0.0, total
 
 
-def run_figures(out, run):
-    """One run's figures: vLLM's hit rate over both servers, the busiest server's share of
-    prompt tokens, and loadgen's summary."""
-    s = json.load(open(os.path.join(out, run + ".json")))
-    hits = queries = 0.0
-    prompt = []
-    for before in sorted(glob.glob(os.path.join(out, run + ".before.*"))):
-        after = before.replace(".before.", ".after.")
-        hits += metric_sum(after, "vllm:prefix_cache_hits_total") - metric_sum(before, "vllm:prefix_cache_hits_total")
-        queries += metric_sum(after, "vllm:prefix_cache_queries_total") - metric_sum(before, "vllm:prefix_cache_queries_total")
-        prompt.append(metric_sum(after, "vllm:prompt_tokens_total") - metric_sum(before, "vllm:prompt_tokens_total"))
-    rate = hits / queries if queries else 0.0
-    busiest = max(prompt) / sum(prompt) if sum(prompt) else 0.0
-    s["_vllm_split"] = engine_split(out, run)
-    return s, rate, busiest
-
-
 # vLLM's own view of a request's first token, as means over both servers (histogram sums over
 # counts): the frontend's time to first token (from its arrival stamp), the engine core's
 # queue (waiting) and prefill (scheduled to first token) times. What the first leaves over the
@@ -104,15 +87,27 @@ def run_figures(out, run):
 SPLIT = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
 
 
-def engine_split(out, run):
+def run_figures(out, run):
+    """One run's figures: vLLM's hit rate over both servers, the busiest server's share of
+    prompt tokens, and loadgen's summary (with vLLM's means of SPLIT under `_vllm_split`)."""
+    s = json.load(open(os.path.join(out, run + ".json")))
+    hits = queries = 0.0
+    prompt = []
     sums = [0.0] * len(SPLIT)
     counts = [0.0] * len(SPLIT)
     for before in sorted(glob.glob(os.path.join(out, run + ".before.*"))):
         after = before.replace(".before.", ".after.")
+        delta = lambda name: metric_sum(after, name) - metric_sum(before, name)
+        hits += delta("vllm:prefix_cache_hits_total")
+        queries += delta("vllm:prefix_cache_queries_total")
+        prompt.append(delta("vllm:prompt_tokens_total"))
         for i, name in enumerate(SPLIT):
-            sums[i] += metric_sum(after, name + "_sum") - metric_sum(before, name + "_sum")
-            counts[i] += metric_sum(after, name + "_count") - metric_sum(before, name + "_count")
-    return [sm / c if c else 0.0 for sm, c in zip(sums, counts)]
+            sums[i] += delta(name + "_sum")
+            counts[i] += delta(name + "_count")
+    rate = hits / queries if queries else 0.0
+    busiest = max(prompt) / sum(prompt) if sum(prompt) else 0.0
+    s["_vllm_split"] = [sm / c if c else 0.0 for sm, c in zip(sums, counts)]
+    return s, rate, busiest
 
 
 def spread(values, fmt):
