@@ -137,6 +137,9 @@ pub struct GuardedBody {
     /// Set once the final error event has been sent; the next poll ends the stream.
     closed: bool,
     discarded: Discard,
+    /// This response's latency histograms, looked up (a table read and two handle clones) by
+    /// the first of its two records and kept for the second.
+    latency: Option<t::handles::Latency>,
 }
 
 impl GuardedBody {
@@ -167,6 +170,7 @@ impl GuardedBody {
             active: false,
             closed: false,
             discarded: Discard::default(),
+            latency: None,
         };
         // An empty body (204, `Content-Length: 0`) is complete already, and a server does not
         // poll a body that says so: settle it here, or it would count as abandoned.
@@ -240,7 +244,10 @@ impl GuardedBody {
         if let Some(guard) = self.guard.take() {
             if !self.discarded.is_set() {
                 let elapsed = self.received_at.elapsed().as_secs_f64();
-                t::handles::latency(&guard.backend().name, guard.model())
+                self.latency
+                    .get_or_insert_with(|| {
+                        t::handles::latency(&guard.backend().name, guard.model())
+                    })
                     .duration
                     .record(elapsed);
             }
@@ -327,7 +334,10 @@ impl Body for GuardedBody {
                             this.first_byte_seen = true;
                             if let Some(guard) = &mut this.guard {
                                 guard.first_token();
-                                t::handles::latency(&guard.backend().name, guard.model())
+                                this.latency
+                                    .get_or_insert_with(|| {
+                                        t::handles::latency(&guard.backend().name, guard.model())
+                                    })
                                     .first_byte
                                     .record(this.received_at.elapsed().as_secs_f64());
                             }

@@ -24,20 +24,33 @@ const HOP_BY_HOP: &[HeaderName] = &[
 /// A judge of hop-by-hop names for `headers`: the fixed set, plus the names its `Connection`
 /// headers list. The `Connection` values are looked up once per map (not once per header)
 /// and compared in place, ASCII case-insensitively, instead of being parsed into header
-/// names: this runs for every header of every request and response.
+/// names: this runs for every header of every request and response. A `Connection` that
+/// lists only `keep-alive` or `close` (nearly every one) names no header beyond the fixed
+/// set, so then no header is compared with its list at all.
 fn hop_by_hop(headers: &HeaderMap) -> impl Fn(&HeaderName) -> bool + '_ {
     let listed = headers.get_all(header::CONNECTION);
+    let names_others = listed.iter().any(|v| {
+        v.as_bytes().split(|b| *b == b',').any(|token| {
+            let token = token.trim_ascii();
+            !(token.is_empty()
+                || token.eq_ignore_ascii_case(b"keep-alive")
+                || token.eq_ignore_ascii_case(b"close"))
+        })
+    });
     move |name| {
         HOP_BY_HOP.contains(name)
             || name.as_str() == "keep-alive"
-            || listed
-                .iter()
-                .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-                .any(|listed| {
-                    listed
-                        .trim_ascii()
-                        .eq_ignore_ascii_case(name.as_str().as_bytes())
-                })
+            // Reserved as a field name (RFC 9110 §7.6.1), so never end-to-end.
+            || name.as_str() == "close"
+            || (names_others
+                && listed
+                    .iter()
+                    .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+                    .any(|listed| {
+                        listed
+                            .trim_ascii()
+                            .eq_ignore_ascii_case(name.as_str().as_bytes())
+                    }))
     }
 }
 
@@ -158,6 +171,19 @@ mod tests {
             strip_response_headers(&mut h);
             let names: Vec<_> = h.keys().map(|k| k.as_str()).collect();
             assert_eq!(names, vec!["content-type"], "{pairs:?}");
+        }
+        // A `Connection` of connection options only names no header: the others stay, and
+        // a field named `close` (a reserved name) goes whatever `Connection` says.
+        for connection in ["Keep-Alive", "close", " keep-alive , CLOSE ,"] {
+            let mut h = map(&[
+                ("connection", connection),
+                ("x-kept", "1"),
+                ("close", "1"),
+                ("keep-alive", "timeout=5"),
+            ]);
+            strip_response_headers(&mut h);
+            let names: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+            assert_eq!(names, vec!["x-kept"], "{connection:?}");
         }
     }
 }

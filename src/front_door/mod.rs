@@ -491,6 +491,10 @@ fn has_dot_segment(path: &str) -> bool {
         dots == 1 || dots == 2
     }
     let bytes = path.as_bytes();
+    // The common path has none of the three bytes any finding needs: one vectorised scan.
+    if memchr::memchr3(b'.', b'%', b'\\', bytes).is_none() {
+        return false;
+    }
     let encoded_slash = bytes.windows(3).any(|w| {
         w[0] == b'%'
             && ((w[1] == b'2' && w[2] | 0x20 == b'f') || (w[1] == b'5' && w[2] | 0x20 == b'c'))
