@@ -272,6 +272,50 @@ async fn slow_clients_are_cut_off() {
 }
 
 #[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_at_once_on_shutdown() {
+    let b = FakeBackend::start("a", &["m"]).await;
+    let mut cfg = config(&[&b]);
+    // A drain deadline far beyond the test's own: the connection must close because it is
+    // idle, not because the deadline cut it.
+    cfg.server.shutdown_timeout_ms = 120_000;
+    let router = start_router(cfg).await;
+    let mut s = tokio::net::TcpStream::connect(router.addr).await.unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The whole answer ("ok", 2 bytes of body): the connection is then idle, kept alive.
+    let mut head = Vec::new();
+    while !(head.ends_with(b"\r\n\r\nok")) {
+        let mut byte = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            n,
+            1,
+            "closed before the answer: {}",
+            String::from_utf8_lossy(&head)
+        );
+        head.push(byte[0]);
+    }
+    let RouterParts { stop, task } = router.into_parts();
+    stop.send(()).unwrap();
+    // The drain wakes the idle connection's task and closes it: the client reads its end.
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(read, Ok(Ok(0))),
+        "the idle connection must be closed by the drain: {read:?}"
+    );
+    let result = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("the drain ends once its only connection is closed")
+        .unwrap();
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
 async fn api_keys_admin_token_and_rate_limits() {
     let b = FakeBackend::start("a", &["m"]).await;
     let mut cfg = config(&[&b]);

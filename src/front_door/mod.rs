@@ -24,6 +24,7 @@ use tower::ServiceExt;
 
 pub mod access;
 pub mod auth;
+mod drain;
 pub mod responses;
 pub mod serve;
 pub mod status;

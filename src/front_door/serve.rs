@@ -1,5 +1,5 @@
 //! The accept loop: hyper connections with header limits, a cap on open connections, and
-//! graceful draining.
+//! graceful draining (`drain`).
 //!
 //! axum's `serve` hides the connection builder, and inferlb needs its knobs: a deadline for
 //! reading request headers (a slow client must not hold a connection forever), a bound on
@@ -21,11 +21,11 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use super::drain::Drain;
 use super::Routes;
 use crate::config_error::ConfigError;
 use crate::telemetry as t;
@@ -94,7 +94,7 @@ pub async fn serve_with(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(options.max_header_bytes).unwrap_or(u32::MAX));
-    let graceful = GracefulShutdown::new();
+    let graceful = Drain::new();
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -128,12 +128,14 @@ pub async fn serve_with(
             let routes = routes.clone();
             async move { Ok::<_, Infallible>(routes.call(req, peer).await) }
         });
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
+        // Owned (the builder's settings cloned into it), so the task need not borrow it.
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let watched = graceful.watch(conn);
         tokio::spawn(async move {
             let _slot = slot;
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
+            if let Err(e) = watched.await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
