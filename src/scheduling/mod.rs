@@ -95,8 +95,11 @@ impl Scheduler {
         let mut lost: Vec<usize> = Vec::new();
         for _ in 0..MAX_RACES {
             let mut candidates = self.pool.candidates(&members, now);
-            candidates
-                .retain(|c| !exclude.contains(&c.backend.id) && !lost.contains(&c.backend.id));
+            // Nearly always neither list has anything (a first attempt that lost no race).
+            if !exclude.is_empty() || !lost.is_empty() {
+                candidates
+                    .retain(|c| !exclude.contains(&c.backend.id) && !lost.contains(&c.backend.id));
+            }
             match profile.run(request, state, &mut candidates) {
                 Ok(decision) => {
                     let backend = candidates[decision.index].backend;
