@@ -21,7 +21,9 @@
 # tenth of the total. Other work that runs per second, not per request (the log writer's
 # flushes, timers), is spread over however many requests valgrind got through, so compare
 # binaries in one run on a quiet machine with SECONDS of 12 or more: a 4 s window on a busy
-# machine read 77.3k where 12 s on a quiet one read 75.7k for the same binary.
+# machine read 77.3k where 12 s on a quiet one read 75.7k for the same binary. Even so, runs
+# of one binary have spread by up to 0.75 % (72.3k to 72.9k on 2026-12-07): repeat a
+# step below ~1 % before trusting it.
 # Needs valgrind, nginx, wrk (Debian: valgrind nginx-light wrk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
