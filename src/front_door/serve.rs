@@ -94,7 +94,7 @@ pub async fn serve_with(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(options.max_header_bytes).unwrap_or(u32::MAX));
-    let graceful = Drain::new();
+    let drain = Drain::new();
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -132,7 +132,7 @@ pub async fn serve_with(
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
-        let watched = graceful.watch(conn);
+        let watched = drain.watch(conn);
         tokio::spawn(async move {
             let _slot = slot;
             if let Err(e) = watched.await {
@@ -142,9 +142,9 @@ pub async fn serve_with(
     }
     // Closing the listener makes new connections fail at once.
     drop(listener);
-    closed(graceful.count());
+    closed(drain.count());
     tokio::select! {
-        _ = graceful.shutdown() => true,
+        _ = drain.shutdown() => true,
         _ = tokio::time::sleep(options.shutdown_timeout) => {
             tracing::warn!("drain deadline passed; closing remaining connections");
             false
