@@ -25,6 +25,14 @@ pub struct Record {
     pub backend: Option<String>,
     /// The answer's text (needed to re-send the history in multi-turn).
     pub text: String,
+    /// The server's `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, when
+    /// it sent them (the cached count only with vLLM's `--enable-prompt-tokens-details`).
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// Wall seconds from the run's start to this request's send (set by the runner).
+    pub sent_at: f64,
+    /// The prefix group of the request's session (set by the runner).
+    pub group: u64,
 }
 
 /// How requests are sent.
@@ -147,6 +155,7 @@ pub async fn send(
                         let content = &v["choices"][0]["message"]["content"];
                         rec.text = content.as_str().unwrap_or_default().to_owned();
                         rec.output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        note_prompt_usage(&v, &mut rec);
                     }
                     Err(_) => rec.error = Some("parse".into()),
                 }
@@ -180,6 +189,7 @@ async fn read_stream(resp: reqwest::Response, start: Instant, rec: &mut Record) 
                 SseEvent::Data(v) => {
                     if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                         usage = Some(n);
+                        note_prompt_usage(&v, rec);
                     }
                     let choice = &v["choices"][0];
                     let piece = choice["delta"]["content"]
@@ -206,6 +216,17 @@ async fn read_stream(resp: reqwest::Response, start: Instant, rec: &mut Record) 
     rec.output_tokens = usage.unwrap_or(chunks);
     if !done && rec.error.is_none() {
         rec.error = Some("incomplete".into());
+    }
+}
+
+/// Records the prompt's token counts from an answer's `usage`, where present.
+fn note_prompt_usage(v: &Value, rec: &mut Record) {
+    let usage = &v["usage"];
+    if let Some(n) = usage["prompt_tokens"].as_u64() {
+        rec.prompt_tokens = Some(n);
+    }
+    if let Some(n) = usage["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        rec.cached_tokens = Some(n);
     }
 }
 

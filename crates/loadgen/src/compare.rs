@@ -63,6 +63,9 @@ pub struct CompareConfig {
     pub max_loras: usize,
     /// Goodput objective in simulated seconds.
     pub slo: Option<Slo>,
+    /// Write each policy's per-request trace (`runner::RunConfig::trace`) to
+    /// `<dir>/<name>-<policy>.trace.jsonl`.
+    pub trace_dir: Option<PathBuf>,
     /// Policy name → how many of its simulators run in the `prefill` role (the rest `decode`);
     /// policies not named get a fleet of `both`.
     pub prefill_backends: BTreeMap<String, usize>,
@@ -139,6 +142,8 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
             })
             .collect(),
         max_loras: cfg.max_loras.max(1),
+        // The trace records each answer's cached tokens, which vLLM reports only when asked.
+        enable_prompt_tokens_details: cfg.trace_dir.is_some(),
         ..SimConfig::default()
     };
     let tokens = match &cfg.sim_tokenizer {
@@ -211,6 +216,10 @@ pub async fn compare(cfg: CompareConfig) -> std::io::Result<CompareOutput> {
                     block_size: cfg.block_size,
                     tokens: tokens.clone(),
                     slo: cfg.slo.map(|s| s.scaled_down(ts)),
+                    trace: cfg
+                        .trace_dir
+                        .as_ref()
+                        .map(|d| d.join(format!("{}-{}.trace.jsonl", cfg.name, policy.name()))),
                 };
                 let out = runner::run(run, Arc::clone(&workload)).await;
                 r.save_metrics(&cfg.results_dir).await;

@@ -213,6 +213,10 @@ struct RunArgs {
     /// Write the summary as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write one JSON line per finished request here: send time, group, backend, TTFT,
+    /// end-to-end time, prompt and cached tokens (times × --time-scale).
+    #[arg(long, value_name = "PATH")]
+    trace: Option<PathBuf>,
     /// Allow non-loopback targets.
     #[arg(long)]
     allow_remote: bool,
@@ -285,6 +289,10 @@ struct CompareArgs {
     /// Where the Markdown and JSON results (and router logs) go.
     #[arg(long, default_value = "bench/results")]
     results_dir: PathBuf,
+    /// Write each policy's per-request trace (as `run --trace`) to
+    /// `DIR/<name>-<policy>.trace.jsonl`.
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<PathBuf>,
     /// Tiny CI version: 2 backends, 2 groups × 3 prompts, tiny prompts, 2 policies.
     #[arg(long)]
     smoke: bool,
@@ -476,6 +484,7 @@ async fn run_cmd(a: RunArgs) -> Result<(), String> {
         block_size: a.block_size,
         tokens: Default::default(),
         slo: a.slo.slo().map(|s| s.scaled_down(a.time_scale)),
+        trace: a.trace.clone(),
     };
     let provenance = machine::provenance(
         &std::env::current_exe().into_iter().collect::<Vec<_>>(),
@@ -605,6 +614,7 @@ async fn compare_cmd(mut a: CompareArgs) -> Result<(), String> {
         adapters: a.adapters.clone(),
         max_loras: a.max_loras,
         slo: a.slo.slo(),
+        trace_dir: a.trace_dir.clone(),
         prefill_backends: parse_prefill_backends(&a.prefill_backends)?,
     };
     if !a.inferlb_bin.exists()

@@ -53,6 +53,9 @@ pub struct RunConfig {
     pub tokens: Tokens,
     /// Goodput objective, in wall seconds.
     pub slo: Option<Slo>,
+    /// Write one JSON line per finished request here (`--trace`): when it was sent, its group,
+    /// backend, TTFT, end-to-end time and prompt/cached tokens, times × `time_scale`.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// What a run produced.
@@ -97,6 +100,7 @@ struct Ctx {
     messages: Mutex<Vec<KeptRequest>>,
     dispatched: AtomicU64,
     next_session: AtomicU64,
+    started: Instant,
 }
 
 impl Ctx {
@@ -139,6 +143,7 @@ impl Ctx {
         } else {
             None
         };
+        let sent_at = self.started.elapsed().as_secs_f64();
         let mut rec = client::send(
             &self.client,
             &self.cfg.target,
@@ -150,6 +155,8 @@ impl Ctx {
         .await;
         rec.session = t.session.id;
         rec.turn = t.turn;
+        rec.group = t.session.group;
+        rec.sent_at = sent_at;
         // Locked only for a kept request the router named a backend for.
         if let (Some(i), Some(backend)) = (kept_at, &rec.backend) {
             if let Ok(mut kept) = self.messages.lock() {
@@ -160,6 +167,23 @@ impl Ctx {
         }
         rec
     }
+}
+
+/// One `--trace` line: times in the run's reported units (× `scale`).
+fn trace_line(r: &Record, scale: f64) -> String {
+    serde_json::json!({
+        "sent_at": r.sent_at * scale,
+        "session": r.session,
+        "turn": r.turn,
+        "group": r.group,
+        "backend": r.backend,
+        "ttft": r.ttft.map(|t| t * scale),
+        "e2e": r.e2e * scale,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "error": r.error,
+    })
+    .to_string()
 }
 
 /// Runs `workload` against `cfg.target` and summarises.
@@ -179,19 +203,32 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         messages: Mutex::new(Vec::new()),
         dispatched: AtomicU64::new(0),
         next_session: AtomicU64::new(0),
+        started: Instant::now(),
     });
 
     let bar = progress_bar(&cfg);
     let collector_bar = bar.clone();
     let slo = cfg.slo;
+    let trace = cfg.trace.clone();
+    let scale = cfg.time_scale;
     let collector = tokio::spawn(async move {
         let mut c = Collector {
             slo,
             ..Collector::default()
         };
+        let mut lines = String::new();
         while let Some(r) = rx.recv().await {
             c.add(&r);
+            if trace.is_some() {
+                lines.push_str(&trace_line(&r, scale));
+                lines.push('\n');
+            }
             collector_bar.inc(1);
+        }
+        if let Some(path) = &trace {
+            if let Err(e) = std::fs::write(path, lines) {
+                eprintln!("trace {}: {e}", path.display());
+            }
         }
         c
     });

@@ -75,6 +75,7 @@ fn compare_config(
         sim_tokenizer: None,
         sim_kv_events: false,
         slo: None,
+        trace_dir: None,
         prefill_backends: Default::default(),
     }
 }
@@ -123,10 +124,38 @@ async fn compare_smoke_runs_two_policies_end_to_end() {
     let policies = vec![builtin("random").unwrap(), builtin("default").unwrap()];
     let cfg = CompareConfig {
         sizing_tokens: 2 * 96,
+        trace_dir: Some(dir.path().to_path_buf()),
         ..compare_config("smoke", workload, policies, &dir)
     };
     let out = compare(cfg).await.unwrap();
     assert_eq!(out.rows.len(), 2);
+    // Each policy's trace: one line per request, with the simulator's usage and the router's
+    // backend, times in simulated seconds.
+    for policy in ["random", "default"] {
+        let path = dir.path().join(format!("smoke-{policy}.trace.jsonl"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 16, "{policy}: {text}");
+        let mut cached = 0;
+        for l in &lines {
+            assert!(l["group"].as_u64().unwrap() < 2, "{l}");
+            assert!(l["backend"].is_string(), "{l}");
+            assert!(l["ttft"].as_f64().unwrap() > 0.0, "{l}");
+            assert!(
+                l["e2e"].as_f64().unwrap() >= l["ttft"].as_f64().unwrap(),
+                "{l}"
+            );
+            assert!(l["sent_at"].as_f64().unwrap() >= 0.0, "{l}");
+            let prompt = l["prompt_tokens"].as_u64().unwrap();
+            let hit = l["cached_tokens"].as_u64().unwrap();
+            assert!(prompt > 96 && hit <= prompt, "{l}");
+            cached += hit;
+        }
+        assert!(cached > 0, "{policy}: the shared prefixes hit somewhere");
+    }
     for row in &out.rows {
         let s = row.summary.as_ref().unwrap_or_else(|| panic!("{row:?}"));
         assert_eq!(s.ok, 16, "{}: {:?}", row.policy, s.errors);
@@ -197,6 +226,7 @@ fn direct_run(url: &str, arrival: Arrival, workload: &Workload, metrics: Vec<Str
         block_size: 16,
         tokens: Default::default(),
         slo: None,
+        trace: None,
     }
 }
 
