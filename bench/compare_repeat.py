@@ -7,11 +7,13 @@ tip a good policy into a queue that a quiet run never sees. A single run therefo
 about a policy; the median of a few identical runs (same seed, same workload, every policy in
 each repetition, cold fleets throughout) says more, and the min–max column shows the spread.
 
-usage: bench/compare_repeat.py [--no-build] REPEATS OUT_MD [loadgen compare arguments…]
+usage: bench/compare_repeat.py [--no-build] [--traces] REPEATS OUT_MD [loadgen compare arguments…]
   e.g. bench/compare_repeat.py 5 bench/results/compare-shared-prefix-median.md \\
            --workload shared-prefix --policies random,round-robin,load-only,prefix-only,default
 
-Each repetition's own table and JSON go to OUT_MD without its extension, under repeat-N/.
+Each repetition's own table and JSON go to OUT_MD without its extension, under repeat-N/;
+with --traces each policy's per-request trace as well (`loadgen compare --trace-dir`, read by
+bench/zipf_tail.py).
 
 The binaries measured are built first (`cargo build --release -p loadgen -p inferlb`); with
 --no-build they are not, and a binary older than the sources is refused. OUT_MD names the
@@ -72,8 +74,10 @@ def cpu_model():
 def main():
     argv = sys.argv[1:]
     build = True
-    if argv and argv[0] == "--no-build":
-        build = False
+    traces = False
+    while argv and argv[0] in ("--no-build", "--traces"):
+        build = build and argv[0] != "--no-build"
+        traces = traces or argv[0] == "--traces"
         argv = argv[1:]
     if len(argv) < 2:
         sys.exit(__doc__)
@@ -109,6 +113,8 @@ def main():
         rdir = os.path.join(base, f"repeat-{r}")
         os.makedirs(rdir, exist_ok=True)
         cmd = [LOADGEN, "compare", *args, "--results-dir", rdir]
+        if traces:
+            cmd += ["--trace-dir", rdir]
         print(f"[repeat {r}/{repeats}] {' '.join(cmd)}", file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         jsons = sorted(
