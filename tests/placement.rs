@@ -132,13 +132,13 @@ async fn only_a_hot_prefixs_traffic_moves_a_new_prefix() {
     assert_eq!(new, y, "within the slack, fill decides");
 }
 
-/// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given.
-async fn new_prefixes_on_the_busy_backend(room_placed_weight: f64) -> usize {
+/// After [`hot_on_y`], ten new prefixes: how many the busy backend Y is given, with
+/// `room_placed_weight` set (`None`: its default).
+async fn new_prefixes_on_the_busy_backend(room_placed_weight: Option<f64>) -> usize {
+    let placed =
+        room_placed_weight.map_or(String::new(), |w| format!("room_placed_weight = {w:?}\n"));
     let (_fakes, router, _x, y) = hot_on_y(
-        &format!(
-            "room_work_weight = 1.0\nroom_placed_weight = {room_placed_weight:?}\n\
-             room_work_slack = 0.0\nreplicate_share = 0.0"
-        ),
+        &format!("room_work_weight = 1.0\n{placed}room_work_slack = 0.0\nreplicate_share = 0.0"),
         20,
     )
     .await;
@@ -157,10 +157,26 @@ async fn new_prefixes_on_the_busy_backend(room_placed_weight: f64) -> usize {
 async fn new_prefixes_count_ahead_of_their_traffic() {
     // X stays the idler by traffic alone (Y's hot prompts outweigh ten short prompts), so
     // judged by traffic alone every new prefix goes to X…
-    assert_eq!(new_prefixes_on_the_busy_backend(0.0).await, 0);
+    assert_eq!(new_prefixes_on_the_busy_backend(Some(0.0)).await, 0);
     // …while each new prefix X is given counts as an average prefix's traffic: Y takes turns.
-    let on_y = new_prefixes_on_the_busy_backend(1.0).await;
+    let on_y = new_prefixes_on_the_busy_backend(Some(1.0)).await;
     assert!((3..=7).contains(&on_y), "Y was given {on_y} of 10");
+}
+
+#[tokio::test]
+async fn by_default_a_new_prefix_counts_as_two_average_prefixes() {
+    // The default weight is 2: a backend that was just given prefixes stops looking idle
+    // sooner than at the 0.5 it was until 2026-12-07, so the hot prefix's backend Y is given
+    // more of the new prefixes (on the simulator's Zipf shape the idlest backend had been
+    // given a third of the groups, more than its cache kept).
+    let by_default = new_prefixes_on_the_busy_backend(None).await;
+    let at_two = new_prefixes_on_the_busy_backend(Some(2.0)).await;
+    let at_half = new_prefixes_on_the_busy_backend(Some(0.5)).await;
+    assert_eq!(by_default, at_two, "the default is 2");
+    assert!(
+        by_default > at_half,
+        "Y was given {by_default} of 10 by default, {at_half} at 0.5"
+    );
 }
 
 /// Twenty requests of one hot prefix on two idle backends: (backends that served it,

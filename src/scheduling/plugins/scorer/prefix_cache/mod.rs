@@ -44,7 +44,7 @@
 //!
 //! ```text
 //! t       = w · (1 − kv) · max(0, 1 − thrash / room_thrash_limit)
-//! load    = work + room_placed_weight · placed · Σ work ÷ Σ placed     (weight 0.5)
+//! load    = work + room_placed_weight · placed · Σ work ÷ Σ placed     (weight 2)
 //! excess  = max(0, min(hot, load − (1 + room_work_slack) · mean(load)))   (slack 0)
 //! room    = (1 − t) · room_by_fill + t · room_by_excess   (each min–max scaled as above)
 //! ```
@@ -73,14 +73,21 @@
 //! router sent there and that it no longer holds, if its events reported an eviction within
 //! the last minute (a cache that evicted nothing cannot have dropped it: its blocks are late).
 //!
-//! `room_placed_weight` (0.5; `precise_room_placed_weight`, 0, when every candidate is scored
+//! `room_placed_weight` (2; `precise_room_placed_weight`, 0, when every candidate is scored
 //! from live KV events, see below) counts each new prefix (held nowhere when placed) a backend
 //! was given lately (`placed`, one-minute half-life) at that many average prefixes' traffic
 //! before its traffic arrives. With the hot gate, 0 balanced the real-vLLM Zipf runs better (52 %
 //! against 56–59 %) but on the simulator at 73 % pressure handed the idler backends more groups
 //! than their caches kept (Zipf hit rate 0.892 against 0.909, TTFT p90 0.142 s against 0.106 s,
-//! `bench/results/sim-26-default5-zipf-2026-12-06.md`), so it stays 0.5 for approximate
-//! candidates, whose records assume 4 characters per token.
+//! `bench/results/sim-26-default5-zipf-2026-12-06.md`). At 0.5 the same happened more mildly:
+//! per-request traces of those runs (`bench/zipf_tail.py`) show the quietest backend given 12–14
+//! of the 40 groups, taking about half of all the prefix evictions that make the TTFT p90, and
+//! on another seed the hot group's backend holding 4. At 2 a backend that was just given
+//! prefixes stops looking idle sooner, the groups spread 8–12 per backend and the evictions
+//! fall by a tenth to a quarter: TTFT p90 0.092 s against 0.104 s (seed 1) and 0.086 s against
+//! 0.126 s (seed 2), medians of 3, with the busiest backend at 35 % against 32–33 %
+//! (README, Performance, fourteenth round). Approximate candidates only: their records assume 4
+//! characters per token.
 //!
 //! Caches with room for every prefix are not the gate: on the simulator at 73 % pressure
 //! placement by traffic among the caches whose KV events left room for the prompt lost the
@@ -339,7 +346,7 @@ impl Default for Params {
             room_work_weight: 1.0,
             precise_room_work_weight: 1.0,
             room_thrash_limit: 0.02,
-            room_placed_weight: 0.5,
+            room_placed_weight: 2.0,
             precise_room_placed_weight: 0.0,
             room_work_slack: 0.0,
             room_hot_share: 0.5,

@@ -677,11 +677,12 @@ fn measured_characters_per_token_size_the_record_and_scale_the_estimates() {
 }
 
 /// With every candidate scored from live KV events the placed weight is
-/// `precise_room_placed_weight` (0 by default), else `room_placed_weight` (0.5): backend 0
+/// `precise_room_placed_weight` (0 by default), else `room_placed_weight` (2): backend 0
 /// carries 3,000 tokens of hot traffic, backend 1 1,000 and ten new prefixes just placed (the
 /// average prefix brings 400). Counted at 0.5 each, backend 1's load equals backend 0's, nobody
-/// is over the mean and fill ties them; counted at 0, backend 0 is 1,000 over the mean and the
-/// new prefix goes to backend 1.
+/// is over the mean and fill ties them; counted at 2, backend 1 is over the mean but none of
+/// its load is hot, so again nobody has an excess; counted at 0, backend 0 is 1,000 over the
+/// mean and the new prefix goes to backend 1.
 #[test]
 fn precise_candidates_count_new_prefixes_at_the_precise_placed_weight() {
     let run = |params: &str, live: bool| -> Vec<f64> {
@@ -715,6 +716,6 @@ fn precise_candidates_count_new_prefixes_at_the_precise_placed_weight() {
     let approximate = run(base, false);
     assert_eq!(
         approximate[0], approximate[1],
-        "approximate: room_placed_weight 0.5"
+        "approximate: room_placed_weight 2"
     );
 }
