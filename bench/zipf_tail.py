@@ -33,15 +33,21 @@ import sys
 
 
 def load(path):
+    """The successful requests with a TTFT and both token counts, in send order, and how many
+    lines were left out (errors, or no `usage` to classify them by)."""
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        rows = [json.loads(line) for line in f]
-    rows = [r for r in rows if r.get("ttft") is not None and r.get("prompt_tokens") is not None]
+        lines = [json.loads(line) for line in f]
+    rows = [
+        r for r in lines
+        if r.get("error") is None and r.get("ttft") is not None
+        and r.get("prompt_tokens") is not None and r.get("cached_tokens") is not None
+    ]
     rows.sort(key=lambda r: r["sent_at"])
-    return rows
+    return rows, len(lines) - len(rows)
 
 
 def kind(r):
-    computed = r["prompt_tokens"] - (r.get("cached_tokens") or 0)
+    computed = r["prompt_tokens"] - r["cached_tokens"]
     if computed * 2 > r["prompt_tokens"]:
         return "full"
     return "partial" if computed > 16 else "hit"
@@ -157,6 +163,8 @@ def main():
     argv = sys.argv[1:]
     capacity, block_size, iters = 1308, 16, 0
     while argv and argv[0].startswith("--"):
+        if len(argv) < 2:
+            sys.exit(__doc__)
         flag, value = argv[0], argv[1]
         argv = argv[2:]
         if flag == "--blocks":
@@ -170,7 +178,14 @@ def main():
     if not argv:
         sys.exit(__doc__)
     for path in argv:
-        rows = load(path)
+        rows, dropped = load(path)
+        if not rows:
+            print(f"{path}: no successful request with a TTFT and cached tokens "
+                  f"({dropped} lines; vLLM reports cached tokens with "
+                  "--enable-prompt-tokens-details)")
+            continue
+        if dropped:
+            print(f"{path}: {dropped} lines left out (failed, or no usage)")
         ttft = [r["ttft"] for r in rows]
         p90 = pct(ttft, 0.9)
         tail = [r for r in rows if r["ttft"] >= p90]

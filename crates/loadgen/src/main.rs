@@ -214,7 +214,8 @@ struct RunArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Write one JSON line per finished request here: send time, group, backend, TTFT,
-    /// end-to-end time, prompt and cached tokens (times × --time-scale).
+    /// end-to-end time, prompt and cached tokens (times × --time-scale). vLLM reports cached
+    /// tokens only when it runs with `--enable-prompt-tokens-details` (else `null`).
     #[arg(long, value_name = "PATH")]
     trace: Option<PathBuf>,
     /// Allow non-loopback targets.

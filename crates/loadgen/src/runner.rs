@@ -72,6 +72,11 @@ pub struct RunOutput {
 pub enum RunError {
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
+    #[error("trace {}: {source}", path.display())]
+    Trace {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// One request as sent, for `--dump-requests`.
@@ -193,6 +198,26 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         _ => 256,
     };
     let client = client::http_client(pool, cfg.request_timeout)?;
+    // The trace file is opened before anything is sent, so a bad path fails the run at once.
+    let trace = match &cfg.trace {
+        Some(path) => Some((
+            path.clone(),
+            std::io::BufWriter::new(std::fs::File::create(path).map_err(|source| {
+                RunError::Trace {
+                    path: path.clone(),
+                    source,
+                }
+            })?),
+        )),
+        None => None,
+    };
+    let scraper = if cfg.backend_metrics.is_empty() {
+        None
+    } else {
+        Some(FleetScraper::start(cfg.backend_metrics.clone(), cfg.sample_interval).await)
+    };
+    // One clock for the run's wall time and the trace's send times.
+    let start = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel::<Record>();
     let ctx = Arc::new(Ctx {
         cfg: cfg.clone(),
@@ -203,42 +228,42 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         messages: Mutex::new(Vec::new()),
         dispatched: AtomicU64::new(0),
         next_session: AtomicU64::new(0),
-        started: Instant::now(),
+        started: start,
     });
 
     let bar = progress_bar(&cfg);
     let collector_bar = bar.clone();
     let slo = cfg.slo;
-    let trace = cfg.trace.clone();
     let scale = cfg.time_scale;
     let collector = tokio::spawn(async move {
+        use std::io::Write as _;
         let mut c = Collector {
             slo,
             ..Collector::default()
         };
-        let mut lines = String::new();
+        let mut trace = trace;
+        let mut trace_error = None;
         while let Some(r) = rx.recv().await {
             c.add(&r);
-            if trace.is_some() {
-                lines.push_str(&trace_line(&r, scale));
-                lines.push('\n');
+            if let Some((path, out)) = &mut trace {
+                if let Err(e) = writeln!(out, "{}", trace_line(&r, scale)) {
+                    trace_error = Some(RunError::Trace {
+                        path: path.clone(),
+                        source: e,
+                    });
+                    trace = None;
+                }
             }
             collector_bar.inc(1);
         }
-        if let Some(path) = &trace {
-            if let Err(e) = std::fs::write(path, lines) {
-                eprintln!("trace {}: {e}", path.display());
+        if let Some((path, mut out)) = trace {
+            if let Err(e) = out.flush() {
+                trace_error = Some(RunError::Trace { path, source: e });
             }
         }
-        c
+        (c, trace_error)
     });
 
-    let scraper = if cfg.backend_metrics.is_empty() {
-        None
-    } else {
-        Some(FleetScraper::start(cfg.backend_metrics.clone(), cfg.sample_interval).await)
-    };
-    let start = Instant::now();
     let deadline = start + cfg.duration;
     // The drain clock starts when sending stops: after the open loop returns, or at the
     // deadline for closed-loop workers (which keep sending until then).
@@ -267,7 +292,10 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         .map(|mut m| std::mem::take(&mut *m))
         .unwrap_or_default();
     drop(ctx);
-    let mut collected = collector.await.unwrap_or_default();
+    let (mut collected, trace_error) = collector.await.unwrap_or_default();
+    if let Some(e) = trace_error {
+        return Err(e);
+    }
     // Requests dispatched but never recorded were cut off by the drain timeout.
     collected.count_error("aborted", dispatched.saturating_sub(collected.sent));
     bar.finish_and_clear();

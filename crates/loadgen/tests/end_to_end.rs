@@ -436,6 +436,46 @@ async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
     assert_eq!(out.summary.errors.get("connect"), Some(&5));
 }
 
+/// A trace that cannot be written fails the run before anything is sent, and a failed request
+/// still gets its trace line (with its error, no TTFT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_path_that_cannot_be_written_fails_the_run_at_once() {
+    let port = loadgen::router::free_port().unwrap();
+    let workload = Arc::new(Workload::new(
+        WorkloadSpec::Unique {
+            prompt_tokens: 8,
+            output_tokens: 2,
+            prompt_tokens_max: 0,
+            output_tokens_max: 0,
+        },
+        1,
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut cfg = direct_run(
+        &url,
+        Arrival::Closed { concurrency: 2 },
+        &workload,
+        Vec::new(),
+    );
+    cfg.max_requests = Some(3);
+    cfg.trace = Some(dir.path().join("missing-dir").join("trace.jsonl"));
+    let err = run(cfg.clone(), Arc::clone(&workload)).await.unwrap_err();
+    assert!(err.to_string().contains("trace"), "{err}");
+    cfg.trace = Some(dir.path().join("trace.jsonl"));
+    let out = run(cfg, workload).await.unwrap();
+    assert_eq!(out.summary.errors.get("connect"), Some(&3));
+    let text = std::fs::read_to_string(dir.path().join("trace.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines
+        .iter()
+        .all(|l| l["error"] == "connect" && l["ttft"].is_null()));
+}
+
 /// Whole prompts sent again and a cache small enough to preempt: every hit rate measured —
 /// vLLM's counter and the once-per-request one — stays at or under the bound, in a run that
 /// really did preempt and repeat.
