@@ -1,7 +1,7 @@
 //! Where a prefix goes, through the real router: a prefix nobody holds by the caches' fill
 //! (`room_work_weight = 0`) or by the backends' recent traffic (the default) while that traffic
-//! is a hot prefix's, the new prefixes each was just given counted (optionally) at an average
-//! prefix's traffic, and by fill again while the caches thrash; and a hot prefix whose holder takes too much of the traffic to a second
+//! is a hot prefix's, the new prefixes each was just given counted at a multiple of an average
+//! prefix's traffic (`room_placed_weight`), and by fill again while the caches thrash; and a hot prefix whose holder takes too much of the traffic to a second
 //! holder (hot-prefix replication).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -117,9 +117,9 @@ async fn with_room_work_weight_a_new_prefix_goes_to_the_idler_backend() {
 #[tokio::test]
 async fn only_a_hot_prefixs_traffic_moves_a_new_prefix() {
     // Y carries about 2,000 tokens and X 1,000, and each was given one new prefix, counted at
-    // half the average prefix's traffic (750): 2,750 and 1,750. Y's excess over their mean came
-    // from one prefix bringing more than half a backend's mean work (hot): traffic moves the
-    // new prefix to X…
+    // twice the average prefix's traffic (2 × 1,500, the default weight): 5,000 and 4,000. Y's
+    // excess over their mean came from one prefix bringing more than half a backend's mean work
+    // (hot): traffic moves the new prefix to X…
     let (x, _y, new) = place_new_prefix("room_work_weight = 1.0", 20).await;
     assert_eq!(new, x, "a hot prefix's excess moves it");
     // …while with no prefix counted hot (a share no prefix reaches) the same excess is
@@ -127,7 +127,7 @@ async fn only_a_hot_prefixs_traffic_moves_a_new_prefix() {
     let (_x, y, new) =
         place_new_prefix("room_work_weight = 1.0\nroom_hot_share = 1000.0", 20).await;
     assert_eq!(new, y, "an excess from no hot prefix is left to fill");
-    // A slack over the excess leaves it to fill as well (Y: 2,750 < 1.5 × 2,250).
+    // A slack over the excess leaves it to fill as well (Y: 5,000 < 1.5 × 4,500).
     let (_x, y, new) = place_new_prefix("room_work_weight = 1.0\nroom_work_slack = 0.5", 20).await;
     assert_eq!(new, y, "within the slack, fill decides");
 }

@@ -80,9 +80,10 @@
 //! against 56–59 %) but on the simulator at 73 % pressure handed the idler backends more groups
 //! than their caches kept (Zipf hit rate 0.892 against 0.909, TTFT p90 0.142 s against 0.106 s,
 //! `bench/results/sim-26-default5-zipf-2026-12-06.md`). At 0.5 the same happened more mildly:
-//! per-request traces of those runs (`bench/zipf_tail.py`) show the quietest backend given 12–14
-//! of the 40 groups, taking about half of all the prefix evictions that make the TTFT p90, and
-//! on another seed the hot group's backend holding 4. At 2 a backend that was just given
+//! per-request traces of later runs of that shape (`bench/zipf_tail.py`,
+//! `bench/results/sim-26-zipf-tail-median3-2026-12-07.md` and `sim-26-placed-zipf-*`) show the
+//! quietest backend given 12–14 of the 40 groups, taking about half of all the prefix evictions
+//! that make the TTFT p90, and on another seed the hot group's backend holding 4. At 2 a backend that was just given
 //! prefixes stops looking idle sooner, the groups spread 8–12 per backend and the evictions
 //! fall by a tenth to a quarter: TTFT p90 0.092 s against 0.104 s (seed 1) and 0.086 s against
 //! 0.126 s (seed 2), medians of 3, with the busiest backend at 35 % against 32–33 %
