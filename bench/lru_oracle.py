@@ -65,24 +65,32 @@ from real_vllm_bound import BLOCK, block_chains, reachable, tokenize  # noqa: E4
 MAX_GROUPS = 18  # 2^17 splits at most
 
 
-def replay(prompts, server_of, capacity):
-    """Cached tokens and each server's prompt tokens when prompt i goes to server_of(i)."""
-    caches = [OrderedDict(), OrderedDict()]
-    hits = 0
-    work = [0, 0]
-    for i, (chains, cap, n) in enumerate(prompts):
+def replay_each(prompts, server_of, capacity, servers=2):
+    """For each prompt in turn, (server, leading blocks it finds cached) when prompt i goes to
+    server_of(i). A prompt is any sequence of (chains, hittable blocks, tokens): its blocks'
+    keys in order, how many of them can hit, and its length."""
+    caches = [OrderedDict() for _ in range(servers)]
+    for i, (chains, cap, _) in enumerate(prompts):
         s = server_of(i)
         cache = caches[s]
         k = 0
         while k < min(cap, len(chains)) and chains[k] in cache:
             k += 1
-        hits += k * BLOCK
-        work[s] += n
+        yield s, k
         for c in reversed(chains):
             cache[c] = True
             cache.move_to_end(c)
         while len(cache) > capacity:
             cache.popitem(last=False)
+
+
+def replay(prompts, server_of, capacity):
+    """Cached tokens and each server's prompt tokens when prompt i goes to server_of(i)."""
+    hits = 0
+    work = [0, 0]
+    for (_, _, n), (s, k) in zip(prompts, replay_each(prompts, server_of, capacity)):
+        hits += k * BLOCK
+        work[s] += n
     return hits, work
 
 

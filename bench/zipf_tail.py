@@ -28,8 +28,12 @@ import collections
 import gzip
 import json
 import math
+import os
 import random
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lru_oracle import replay_each  # noqa: E402  (bench/lru_oracle.py: the cache model)
 
 
 def load(path):
@@ -58,42 +62,16 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-class Lru:
-    """Blocks in eviction order: the first key is evicted first."""
-
-    def __init__(self, capacity):
-        self.capacity = capacity
-        self.blocks = collections.OrderedDict()
-
-    def leading(self, group, n):
-        k = 0
-        while k < n and (group, k) in self.blocks:
-            k += 1
-        return k
-
-    def touch(self, keys):
-        for key in keys:
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-            else:
-                self.blocks[key] = True
-        while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
-
-
 def replay(rows, place, backends, capacity, prefix_blocks, block_size):
-    """Full misses when request i goes to backend place(i, row)."""
-    caches = [Lru(capacity) for _ in range(backends)]
-    full = 0
+    """Full misses when request i goes to backend place(i, row), through lru_oracle's model of
+    vLLM's cache: each request's blocks are its group's prefix and then its own."""
+    prompts = []
     for i, r in enumerate(rows):
-        b = place(i, r)
-        g = r["group"]
-        full += caches[b].leading(g, prefix_blocks) * 2 < prefix_blocks
         own = max(1, math.ceil((r["prompt_tokens"] - prefix_blocks * block_size) / block_size))
-        keys = [("own", i, k) for k in reversed(range(own))]
-        keys += [(g, k) for k in reversed(range(prefix_blocks))]
-        caches[b].touch(keys)
-    return full
+        chains = [(r["group"], k) for k in range(prefix_blocks)] + [("own", i, k) for k in range(own)]
+        prompts.append((chains, len(chains), r["prompt_tokens"]))
+    leading = replay_each(prompts, lambda i: place(i, rows[i]), capacity, backends)
+    return sum(k * 2 < prefix_blocks for _, k in leading)
 
 
 def p90_with_fewer(rows, evicted, k):
