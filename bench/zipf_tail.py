@@ -126,13 +126,14 @@ def search(rows, names, capacity, block_size, iters, evicted):
         c = cost(a)
         if c < best_cost:
             best, best_cost = a, c
+    final = loads(best)
     print(f"  LRU model ({capacity} blocks of {block_size} per backend, prefix {prefix_blocks} "
           f"blocks): full misses with the run's placement {run}; fixed assignment, most "
           f"balanced {start}, best of {iters} search steps {best_cost} at requests per backend "
-          f"{sorted(loads(best), reverse=True)} (the run's busiest: {busiest})")
+          f"{sorted(final, reverse=True)} (the run's busiest: {busiest})")
     gain = run - best_cost
     print(f"  TTFT p90 with {gain} fewer evictions: {p90_with_fewer(rows, evicted, gain):.3f} s")
-    for b in sorted(range(nb), key=lambda b: -loads(best)[b]):
+    for b in sorted(range(nb), key=lambda b: -final[b]):
         mine = [per_group[g] for g in groups if best[g] == b]
         print(f"    best: backend {b}, {len(mine)} groups, requests each {mine}")
 

@@ -198,16 +198,14 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         _ => 256,
     };
     let client = client::http_client(pool, cfg.request_timeout)?;
+    let trace_failed = |source| RunError::Trace {
+        path: cfg.trace.clone().unwrap_or_default(),
+        source,
+    };
     // The trace file is opened before anything is sent, so a bad path fails the run at once.
     let trace = match &cfg.trace {
-        Some(path) => Some((
-            path.clone(),
-            std::io::BufWriter::new(std::fs::File::create(path).map_err(|source| {
-                RunError::Trace {
-                    path: path.clone(),
-                    source,
-                }
-            })?),
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(trace_failed)?,
         )),
         None => None,
     };
@@ -245,21 +243,16 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
         let mut trace_error = None;
         while let Some(r) = rx.recv().await {
             c.add(&r);
-            if let Some((path, out)) = &mut trace {
+            if let Some(out) = &mut trace {
                 if let Err(e) = writeln!(out, "{}", trace_line(&r, scale)) {
-                    trace_error = Some(RunError::Trace {
-                        path: path.clone(),
-                        source: e,
-                    });
+                    trace_error = Some(e);
                     trace = None;
                 }
             }
             collector_bar.inc(1);
         }
-        if let Some((path, mut out)) = trace {
-            if let Err(e) = out.flush() {
-                trace_error = Some(RunError::Trace { path, source: e });
-            }
+        if let Some(Err(e)) = trace.map(|mut out| out.flush()) {
+            trace_error = Some(e);
         }
         (c, trace_error)
     });
@@ -294,7 +287,7 @@ pub async fn run(cfg: RunConfig, workload: Arc<Workload>) -> Result<RunOutput, R
     drop(ctx);
     let (mut collected, trace_error) = collector.await.unwrap_or_default();
     if let Some(e) = trace_error {
-        return Err(e);
+        return Err(trace_failed(e));
     }
     // Requests dispatched but never recorded were cut off by the drain timeout.
     collected.count_error("aborted", dispatched.saturating_sub(collected.sent));

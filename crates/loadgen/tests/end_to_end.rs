@@ -412,8 +412,8 @@ async fn closed_loop_sends_until_the_deadline_not_the_drain_timeout() {
     sim.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
+/// A run of `requests` tiny unique prompts against a port nothing listens on.
+fn unreachable_run(requests: u64) -> (RunConfig, Arc<Workload>) {
     let port = loadgen::router::free_port().unwrap();
     let workload = Arc::new(Workload::new(
         WorkloadSpec::Unique {
@@ -430,7 +430,13 @@ async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
         &workload,
         Vec::new(),
     );
-    cfg.max_requests = Some(5);
+    cfg.max_requests = Some(requests);
+    (cfg, workload)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
+    let (cfg, workload) = unreachable_run(5);
     let out = run(cfg, workload).await.unwrap();
     assert_eq!(out.summary.ok, 0);
     assert_eq!(out.summary.errors.get("connect"), Some(&5));
@@ -440,25 +446,8 @@ async fn unreachable_target_is_counted_not_fatal_and_the_run_ends() {
 /// still gets its trace line (with its error, no TTFT).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_path_that_cannot_be_written_fails_the_run_at_once() {
-    let port = loadgen::router::free_port().unwrap();
-    let workload = Arc::new(Workload::new(
-        WorkloadSpec::Unique {
-            prompt_tokens: 8,
-            output_tokens: 2,
-            prompt_tokens_max: 0,
-            output_tokens_max: 0,
-        },
-        1,
-    ));
+    let (mut cfg, workload) = unreachable_run(3);
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut cfg = direct_run(
-        &url,
-        Arrival::Closed { concurrency: 2 },
-        &workload,
-        Vec::new(),
-    );
-    cfg.max_requests = Some(3);
     cfg.trace = Some(dir.path().join("missing-dir").join("trace.jsonl"));
     let err = run(cfg.clone(), Arc::clone(&workload)).await.unwrap_err();
     assert!(err.to_string().contains("trace"), "{err}");
