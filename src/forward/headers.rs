@@ -29,13 +29,17 @@ const HOP_BY_HOP: &[HeaderName] = &[
 /// set, so then no header is compared with its list at all.
 fn hop_by_hop(headers: &HeaderMap) -> impl Fn(&HeaderName) -> bool + '_ {
     let listed = headers.get_all(header::CONNECTION);
-    let names_others = listed.iter().any(|v| {
-        v.as_bytes().split(|b| *b == b',').any(|token| {
-            let token = token.trim_ascii();
-            !(token.is_empty()
-                || token.eq_ignore_ascii_case(b"keep-alive")
-                || token.eq_ignore_ascii_case(b"close"))
-        })
+    // The names (or options) the `Connection` headers list, trimmed.
+    let tokens = move || {
+        listed
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+    };
+    let names_others = tokens().any(|token| {
+        !(token.is_empty()
+            || token.eq_ignore_ascii_case(b"keep-alive")
+            || token.eq_ignore_ascii_case(b"close"))
     });
     move |name| {
         HOP_BY_HOP.contains(name)
@@ -43,14 +47,7 @@ fn hop_by_hop(headers: &HeaderMap) -> impl Fn(&HeaderName) -> bool + '_ {
             // Reserved as a field name (RFC 9110 §7.6.1), so never end-to-end.
             || name.as_str() == "close"
             || (names_others
-                && listed
-                    .iter()
-                    .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-                    .any(|listed| {
-                        listed
-                            .trim_ascii()
-                            .eq_ignore_ascii_case(name.as_str().as_bytes())
-                    }))
+                && tokens().any(|token| token.eq_ignore_ascii_case(name.as_str().as_bytes())))
     }
 }
 
