@@ -236,6 +236,27 @@ async fn connections_the_backend_closed_are_replaced_without_failures() {
     router.shutdown().await;
 }
 
+#[tokio::test]
+async fn keep_alive_connections_to_a_backend_are_reused() {
+    // The same backend as above, never told to close: every answer leaves its connection
+    // open, so the router should open a handful (the poller's, one per request worker) and
+    // carry every request on them, not one connection per request.
+    let backend = closing_backend().await;
+    let mut cfg = inferlb::config::Config::default();
+    cfg.backends = vec![inferlb::config::BackendConfig::from_url(
+        backend.url.clone(),
+    )];
+    let router = start_router(cfg).await;
+    for i in 0..30 {
+        let (status, _, body) = chat(&router, "m", &format!("q{i}")).await;
+        assert_eq!(status, 200, "request {i}: {body}");
+    }
+    assert_eq!(backend.completions.load(Ordering::Relaxed), 30);
+    let opened = backend.opened.load(Ordering::SeqCst);
+    assert!(opened <= 4, "{opened} connections opened for 30 requests");
+    router.shutdown().await;
+}
+
 /// A backend recording the metrics paths it is asked for; `filtered` decides whether it serves
 /// `/metrics/` (honouring `name[]`, as vLLM's exposition app does) or only `/metrics`.
 async fn recording_backend(filtered: bool) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {

@@ -280,6 +280,12 @@ impl Conn {
         self.drive(&mut cx) && self.send.is_ready()
     }
 
+    /// Idle and able to carry another request as its last drive left it, without another
+    /// poll of the connection (a pass of hyper's dispatcher, ~800 instructions).
+    fn ready_as_driven(&self) -> bool {
+        self.driver.is_some() && self.send.is_ready()
+    }
+
     /// Send `request` and drive the connection until the response head arrives.
     pub async fn send(
         &mut self,
@@ -456,7 +462,10 @@ impl ConnPool {
     }
 
     pub fn checkin(&self, backend: usize, mut conn: Conn) {
-        if !conn.reusable() {
+        // A response body's last frame has just driven the connection, which usually left it
+        // ready for the next request; only when it did not is it driven again here. Whatever
+        // happens to it while it waits, `checkout` drives it before lending it.
+        if !(conn.ready_as_driven() || conn.reusable()) {
             return;
         }
         let mut map = self.stacks().lock().unwrap_or_else(PoisonError::into_inner);
