@@ -242,10 +242,12 @@ async fn keep_alive_connections_to_a_backend_are_reused() {
     // open, so the router should open a handful (the poller's, one per request worker) and
     // carry every request on them, not one connection per request.
     let backend = closing_backend().await;
-    let mut cfg = inferlb::config::Config::default();
-    cfg.backends = vec![inferlb::config::BackendConfig::from_url(
-        backend.url.clone(),
-    )];
+    let cfg = inferlb::config::Config {
+        backends: vec![inferlb::config::BackendConfig::from_url(
+            backend.url.clone(),
+        )],
+        ..Default::default()
+    };
     let router = start_router(cfg).await;
     for i in 0..30 {
         let (status, _, body) = chat(&router, "m", &format!("q{i}")).await;
