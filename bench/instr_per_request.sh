@@ -9,6 +9,8 @@
 #   bench/instr_per_request.sh [SECONDS=15] NAME=BINARY [NAME=BINARY…]
 #   FLOOR=1 bench/instr_per_request.sh 15 new=target/release/inferlb   # with the hyper floor
 #   TOP=40 bench/instr_per_request.sh 15 new=…   # and each binary's 40 costliest inferlb functions
+#   SSE=1 bench/instr_per_request.sh 15 new=…   # streaming: examples/sse_responder backends
+#                                      # (SSE_CHUNKS events a request, 100), wrk asking for streams
 #   bench/instr_per_request.sh 15 on=BIN "off=BIN --log-level info,inferlb::access=off"
 #                                      # words after the binary are its extra arguments
 #
@@ -40,6 +42,19 @@ mkdir -p "$OUT"
 . bench/instant_backends.sh
 bench_scratch
 start_instant_backends
+if [ -n "${SSE:-}" ]; then
+  # Streaming: two examples/sse_responder backends (100 events a request, each its own chunk)
+  # take the nginx backends' place, and wrk asks for streams.
+  SSE_BIN=${SSE_BIN:-target/release/examples/sse_responder}
+  [ -x "$SSE_BIN" ] || { echo "instr_per_request.sh: SSE=1 needs $SSE_BIN (cargo build --release --example sse_responder)" >&2; exit 1; }
+  for i in 1 2; do
+    "$SSE_BIN" 127.0.0.1:0 "${SSE_CHUNKS:-100}" >"$WORK/sse$i.addr" 2>"$WORK/sse$i.log" &
+    PIDS+=($!)
+    for _ in $(seq 100); do [ -s "$WORK/sse$i.addr" ] && break; sleep 0.1; done
+  done
+  B1=$(sed 's/.*://' "$WORK/sse1.addr"); B2=$(sed 's/.*://' "$WORK/sse2.addr")
+  export STREAM=true
+fi
 SPECS=("$@")
 [ -n "${FLOOR:-}" ] && SPECS+=("floor=$FLOOR_BIN")
 echo "# bench/instr_per_request.sh $DUR $*${FLOOR:+ (FLOOR=1)}; $(git rev-parse --short HEAD); callgrind outputs in $OUT"
