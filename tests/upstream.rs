@@ -239,15 +239,17 @@ async fn connections_the_backend_closed_are_replaced_without_failures() {
 #[tokio::test]
 async fn keep_alive_connections_to_a_backend_are_reused() {
     // The same backend as above, never told to close: every answer leaves its connection
-    // open, so the router should open a handful (the poller's, one per request worker) and
-    // carry every request on them, not one connection per request.
+    // open, so the router should open a handful (the poller's, one per request worker: two
+    // workers, whatever the machine's cores) and carry every request on them, not one
+    // connection per request.
     let backend = closing_backend().await;
-    let cfg = inferlb::config::Config {
+    let mut cfg = inferlb::config::Config {
         backends: vec![inferlb::config::BackendConfig::from_url(
             backend.url.clone(),
         )],
         ..Default::default()
     };
+    cfg.server.workers = inferlb::workers::Workers::Count(2);
     let router = start_router(cfg).await;
     for i in 0..30 {
         let (status, _, body) = chat(&router, "m", &format!("q{i}")).await;
