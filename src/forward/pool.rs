@@ -274,10 +274,10 @@ impl Conn {
         self.driver.is_some()
     }
 
-    /// Idle and able to carry another request.
+    /// Idle and able to carry another request, once driven.
     pub fn reusable(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        self.drive(&mut cx) && self.send.is_ready()
+        self.drive(&mut Context::from_waker(Waker::noop()));
+        self.ready_as_driven()
     }
 
     /// Idle and able to carry another request as its last drive left it, without another
