@@ -8,6 +8,10 @@
 #                            # chat-completion JSON, a real vLLM 0.32 `/metrics` page (the poller
 #                            # reads it; a backend without one is not ready), `/health` and
 #                            # `/v1/models`
+#   start_sse_backends BIN CHUNKS
+#                            # two streaming backends, examples/sse_responder built as BIN,
+#                            # CHUNKS SSE events a request (needs WORK and PIDS; sets the array
+#                            # SSE_PORTS once both have written their addresses)
 #   write_nginx_proxy DIR PORT WORKERS BACKEND_PORT…
 #                            # DIR/nginx.conf for nginx as the reference proxy: round robin
 #                            # over the backends, keep-alive upstream, no access log, no buffering
@@ -111,4 +115,15 @@ start_instant_backends() {
   } >"$WORK/nginx.conf"
   nginx -p "$WORK" -c "$WORK/nginx.conf" -g 'daemon off;' &
   PIDS+=($!)
+}
+
+start_sse_backends() {
+  local i _
+  SSE_PORTS=()
+  for i in 1 2; do
+    "$1" 127.0.0.1:0 "$2" >"$WORK/sse$i.addr" 2>"$WORK/sse$i.log" &
+    PIDS+=($!)
+    for _ in $(seq 100); do [ -s "$WORK/sse$i.addr" ] && break; sleep 0.1; done
+    SSE_PORTS+=("$(sed 's/.*://' "$WORK/sse$i.addr")")
+  done
 }

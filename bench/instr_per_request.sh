@@ -41,19 +41,16 @@ mkdir -p "$OUT"
 # shellcheck source=bench/instant_backends.sh
 . bench/instant_backends.sh
 bench_scratch
-start_instant_backends
 if [ -n "${SSE:-}" ]; then
   # Streaming: two examples/sse_responder backends (100 events a request, each its own chunk)
-  # take the nginx backends' place, and wrk asks for streams.
+  # in the nginx backends' place, and wrk asks for streams.
   SSE_BIN=${SSE_BIN:-target/release/examples/sse_responder}
   [ -x "$SSE_BIN" ] || { echo "instr_per_request.sh: SSE=1 needs $SSE_BIN (cargo build --release --example sse_responder)" >&2; exit 1; }
-  for i in 1 2; do
-    "$SSE_BIN" 127.0.0.1:0 "${SSE_CHUNKS:-100}" >"$WORK/sse$i.addr" 2>"$WORK/sse$i.log" &
-    PIDS+=($!)
-    for _ in $(seq 100); do [ -s "$WORK/sse$i.addr" ] && break; sleep 0.1; done
-  done
-  B1=$(sed 's/.*://' "$WORK/sse1.addr"); B2=$(sed 's/.*://' "$WORK/sse2.addr")
+  start_sse_backends "$SSE_BIN" "${SSE_CHUNKS:-100}"
+  B1=${SSE_PORTS[0]}; B2=${SSE_PORTS[1]}
   export STREAM=true
+else
+  start_instant_backends
 fi
 SPECS=("$@")
 [ -n "${FLOOR:-}" ] && SPECS+=("floor=$FLOOR_BIN")

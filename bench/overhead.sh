@@ -99,13 +99,8 @@ $SERVERS}
 NGX
 "$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' &
 PIDS+=($!)
-STREAM_PORTS=()
-for i in 1 2; do
-  "$SSE" 127.0.0.1:0 100 >"$WORK/sse$i.addr" 2>"$WORK/sse$i.log" &
-  PIDS+=($!)
-  for _ in $(seq 100); do [ -s "$WORK/sse$i.addr" ] && break; sleep 0.1; done
-  STREAM_PORTS+=("$(sed 's/.*://' "$WORK/sse$i.addr")")
-done
+start_sse_backends "$SSE" 100
+STREAM_PORTS=("${SSE_PORTS[@]}")
 for p in "${WHOLE_PORTS[@]}" "${STREAM_PORTS[@]}"; do wait_http "http://127.0.0.1:$p/v1/models"; done
 
 # --- proxies: one instance per backend kind ---------------------------------------------
